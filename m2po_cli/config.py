@@ -1,0 +1,361 @@
+"""Recipe schema: TOML tables parsed into typed, frozen models.
+
+Precedence is defaults < recipe file < `--set key.path=value` overrides. Every field carries a
+one-line description; the same text feeds `docs/recipes.md` and `--help`. This module imports
+neither torch nor vllm, so `--dry-run` and validation errors are fast.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PAPER_PROMPT_TEMPLATE = (
+    "Please solve the following math problem: {problem}. The assistant first thinks about the "
+    "reasoning process step by step and then provides the user with the answer. Return the final "
+    "answer in \\boxed{{}} tags, for example \\boxed{{1}}. Let's solve this step by step. "
+)
+
+BUILTIN_MODELS = ("builtin:tiny-qwen3", "builtin:tiny-qwen3-untied", "builtin:smollm2-135m-instruct")
+SYNTHETIC_SOURCES = ("synthetic:arithmetic",)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ConfigError(Exception):
+    """A user-fixable recipe problem: `file: key.path: message`."""
+
+    def __init__(self, source: str, key: str, message: str):
+        self.source, self.key, self.message = source, key, message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+class Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def field(default: Any, description: str, **kw: Any) -> Any:
+    return Field(default, description=description, **kw)
+
+
+class RunConfig(Table):
+    name: str = field("run", "Run name; the run directory is `<output_dir>/<name>`.", min_length=1)
+    output_dir: str = field("runs", "Parent folder of run directories.")
+    seed: int = field(0, "Seed for data order, sampling and initialisation.", ge=0)
+    steps: int = field(100, "Training steps; each step trains on one rollout batch.", ge=1)
+
+
+class ModelConfig(Table):
+    path: str = field(
+        ...,
+        "Model: a local HF-format directory, a hub id (org/name), or a builtin "
+        f"({', '.join(BUILTIN_MODELS)}) built offline and cached.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = field(
+        "auto", "Parameter dtype for rollouts and the learner's mixed precision; auto is float32 on CPU, bfloat16 on GPU."
+    )
+
+    @model_validator(mode="after")
+    def _check_path(self) -> ModelConfig:
+        p = self.path
+        if p.startswith("builtin:"):
+            if p not in BUILTIN_MODELS:
+                raise ValueError(f"path: unknown builtin {p!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+        elif p.startswith(("/", ".", "~")) or Path(p).expanduser().exists():
+            if not Path(p).expanduser().is_dir():
+                raise ValueError(f"path: model directory not found: {p}")
+        elif not HUB_ID.match(p):
+            raise ValueError(f"path: {p!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+        return self
+
+
+class SyntheticConfig(Table):
+    max_operand: int = field(9, "Largest operand of the synthetic arithmetic problems.", ge=1, le=10**6)
+    num_operands: int = field(2, "Operands per synthetic problem (a + b + ...).", ge=1, le=8)
+    num_problems: int = field(10_000, "Size of the synthetic prompt set.", ge=1)
+
+
+class DataConfig(Table):
+    source: str = field(
+        ..., "Prompts: a local .jsonl/.json/.parquet file, a hub dataset id, or synthetic:arithmetic."
+    )
+    split: str = field("train", "Dataset split when `source` is a hub id.")
+    prompt_key: str = field("problem", "Field holding the problem text.")
+    answer_key: str = field("answer", "Field holding the ground-truth answer.")
+    prompt_template: str = field(
+        PAPER_PROMPT_TEMPLATE, "User-turn template; `{problem}` is replaced by the problem text."
+    )
+    shuffle_seed: int = field(42, "Seed of the one-off shuffle of the prompt set.", ge=0)
+    max_prompt_tokens: int = field(1536, "Prompts longer than this (after the chat template) are dropped.", ge=1)
+    synthetic: SyntheticConfig = field(SyntheticConfig(), "Options of the synthetic arithmetic task.")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DataConfig:
+        s = self.source
+        if s.startswith("synthetic:"):
+            if s not in SYNTHETIC_SOURCES:
+                raise ValueError(f"source: unknown synthetic task {s!r}; choose one of {', '.join(SYNTHETIC_SOURCES)}")
+        elif s.endswith((".jsonl", ".json", ".parquet")):
+            if not Path(s).expanduser().is_file():
+                raise ValueError(f"source: file not found: {s}")
+        elif not HUB_ID.match(s):
+            raise ValueError(f"source: {s!r} is neither a .jsonl/.json/.parquet file, a hub id nor synthetic:arithmetic")
+        if "{problem}" not in self.prompt_template:
+            raise ValueError("prompt_template: must contain {problem}")
+        return self
+
+
+class RolloutConfig(Table):
+    engine: Literal["vllm"] = field("vllm", "Rollout engine.")
+    placement: Literal["colocated"] = field(
+        "colocated", "colocated: the engine shares the learner's devices; generation and training alternate."
+    )
+    prompts_per_step: int = field(32, "Prompts per rollout batch.", ge=1)
+    n: int = field(8, "Samples per prompt (the GRPO group size).", ge=1)
+    max_new_tokens: int = field(2560, "Longest response, in tokens.", ge=1)
+    temperature: float = field(1.0, "Sampling temperature; logprobs are taken at this temperature.", gt=0)
+    top_p: float = field(1.0, "Nucleus sampling; must stay 1.0 for training, or the importance ratio is biased.", gt=0, le=1)
+    kv_cache_gib: float = field(1.0, "KV cache size per engine on CPU, in GiB.", gt=0)
+    gpu_memory_utilization: float = field(0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1)
+    enforce_eager: bool = field(True, "Skip CUDA-graph/compile capture: faster start, slower steady state.")
+
+    @model_validator(mode="after")
+    def _check_top_p(self) -> RolloutConfig:
+        if self.top_p != 1.0:
+            raise ValueError(
+                "top_p: must be 1.0 for training rollouts (truncated sampling biases the importance ratio)"
+            )
+        return self
+
+
+class AlgorithmConfig(Table):
+    advantage: Literal["grpo"] = field("grpo", "Advantage estimator: group-relative (GRPO).")
+    normalize_std: bool = field(True, "Divide the group-centred reward by the group's std (+ eps).")
+    std_eps: float = field(1e-6, "Added to the group std before dividing.", gt=0)
+
+
+class GRPOLoss(Table):
+    type: Literal["grpo"] = field("grpo", "PPO clipped surrogate (GRPO).")
+    eps_low: float = field(0.2, "Lower clip: ratios below 1 - eps_low are clipped.", gt=0, lt=1)
+    eps_high: float = field(0.2, "Upper clip: ratios above 1 + eps_high are clipped.", gt=0)
+    dual_clip: float | None = field(None, "Dual-clip bound c > 1 for negative advantages; unset disables it.", gt=1)
+
+
+class M2POLoss(Table):
+    type: Literal["m2po"] = field("m2po", "M2PO, the paper's Algorithm 1: second-moment masking over the global batch.")
+    tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
+
+
+class NoTRLoss(Table):
+    type: Literal["no_tr"] = field("no_tr", "Importance-weighted r * A with no trust region (the paper's GRPO no TR).")
+
+
+class M2POCapLoss(Table):
+    type: Literal["m2po_cap"] = field(
+        "m2po_cap", "The released code's rule: clip r to [e^-c, e^c], c the largest cap keeping M2 within tau."
+    )
+    tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
+    scope: Literal["micro_batch", "global"] = field(
+        "micro_batch", "Where the cap is computed: each micro-batch (as released) or the whole optimizer batch."
+    )
+
+
+class GSPOLoss(Table):
+    type: Literal["gspo"] = field("gspo", "GSPO: clipped sequence-level ratio (geometric mean of token ratios).")
+    eps_low: float = field(3e-4, "Lower clip: sequence ratios below 1 - eps_low are clipped.", gt=0, lt=1)
+    eps_high: float = field(4e-4, "Upper clip: sequence ratios above 1 + eps_high are clipped.", gt=0)
+
+
+LOSS_TYPES = ("grpo", "no_tr", "m2po", "m2po_cap", "gspo")
+LossConfig = Annotated[GRPOLoss | NoTRLoss | M2POLoss | M2POCapLoss | GSPOLoss, Field(discriminator="type")]
+
+
+class TrainConfig(Table):
+    mini_batch_prompts: int = field(
+        0, "Prompts per optimizer update; 0 means the whole rollout batch (one update per step).", ge=0
+    )
+    micro_batch_sequences: int = field(64, "Sequences per forward/backward (gradient accumulation).", ge=1)
+    compile: bool = field(False, "torch.compile the model.")
+    activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
+
+
+class OptimConfig(Table):
+    lr: float = field(1e-6, "AdamW learning rate.", gt=0)
+    weight_decay: float = field(0.01, "AdamW weight decay.", ge=0)
+    betas: tuple[float, float] = field((0.9, 0.999), "AdamW betas.")
+    eps: float = field(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = field(1.0, "Clip the global gradient norm to this; 0 disables clipping.", ge=0)
+    warmup_updates: int = field(0, "Linear warm-up length, in optimizer updates.", ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = field("constant", "LR schedule after warm-up.")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
+        return self
+
+
+class StalenessConfig(Table):
+    mode: Literal["fixed"] = field("fixed", "fixed: every batch is trained exactly s updates after the policy that generated it.")
+    s: int = field(0, "Staleness in optimizer updates; 0 is on-policy.", ge=0)
+
+
+class CheckpointConfig(Table):
+    every: int = field(0, "Save a DCP checkpoint every this many steps; 0 saves only at the end.", ge=0)
+    keep: int = field(2, "Checkpoints kept on disk (oldest removed first).", ge=1)
+    resume: Literal["auto", "never"] = field("auto", "auto: continue from the run directory's latest checkpoint.")
+    export_hf: bool = field(True, "Export the final policy as HF safetensors to `<run>/export`.")
+
+
+class LoggingConfig(Table):
+    wandb: bool = field(False, "Log metrics to Weights & Biases.")
+    wandb_project: str = field("m2po", "W&B project.")
+    wandb_mode: Literal["online", "offline"] = field("offline", "offline writes a local run folder; `wandb sync` uploads it.")
+    console: Literal["rich", "plain"] = field("rich", "rich: live progress display; plain: one line per step.")
+
+
+class Recipe(Table):
+    run: RunConfig = field(RunConfig(), "Run identity and length.")
+    model: ModelConfig = field(..., "Policy model.")
+    data: DataConfig = field(..., "Prompt set.")
+    rollout: RolloutConfig = field(RolloutConfig(), "Rollout engine.")
+    algorithm: AlgorithmConfig = field(AlgorithmConfig(), "Advantage estimation.")
+    loss: LossConfig = field(M2POLoss(), "Policy loss; `type` selects the loss.")
+    train: TrainConfig = field(TrainConfig(), "Batching of the learner.")
+    optim: OptimConfig = field(OptimConfig(), "Optimizer and schedule.")
+    staleness: StalenessConfig = field(StalenessConfig(), "Staleness injection.")
+    checkpoint: CheckpointConfig = field(CheckpointConfig(), "Checkpoints and export.")
+    logging: LoggingConfig = field(LoggingConfig(), "Metrics sinks.")
+
+    @model_validator(mode="after")
+    def _check_cross(self) -> Recipe:
+        if self.algorithm.normalize_std and self.rollout.n == 1:
+            raise ValueError("rollout.n: must be >= 2 when algorithm.normalize_std is true (got 1)")
+        mb = self.train.mini_batch_prompts
+        if mb and self.rollout.prompts_per_step % mb:
+            raise ValueError(
+                f"train.mini_batch_prompts: must divide rollout.prompts_per_step "
+                f"({self.rollout.prompts_per_step}) (got {mb})"
+            )
+        if self.staleness.s % self.updates_per_step:
+            raise ValueError(
+                f"staleness.s: must be a multiple of the {self.updates_per_step} optimizer updates "
+                f"per rollout batch (got {self.staleness.s})"
+            )
+        return self
+
+    @property
+    def updates_per_step(self) -> int:
+        mb = self.train.mini_batch_prompts or self.rollout.prompts_per_step
+        return self.rollout.prompts_per_step // mb
+
+    @property
+    def queue_batches(self) -> int:
+        """K: rollout batches held in the staleness FIFO, s = K * updates_per_step."""
+        return self.staleness.s // self.updates_per_step
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.path=value`, where value is a TOML value, or a bare string when it does not parse."""
+    if "=" not in text:
+        raise ConfigError("--set", text, "expected key.path=value")
+    key, raw = (part.strip() for part in text.split("=", 1))
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _set_path(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError("--set", key, f"{part} is not a table")
+    node[leaf] = value
+
+
+def _first_error(err: ValidationError) -> tuple[str, str]:
+    e = err.errors(include_url=False)[0]
+    loc = [str(p) for p in e["loc"]]
+    # Discriminated unions add the tag to the location (loss.m2po.tau): drop it.
+    loc = [p for i, p in enumerate(loc) if not (i > 0 and loc[i - 1] == "loss" and p in LOSS_TYPES)]
+    msg: str = e["msg"]
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        return ".".join(loc), "unknown key"
+    if kind == "missing":
+        return ".".join(loc), "required key is missing"
+    if kind == "value_error":
+        # Our validators name the sub-key themselves: "sub: message".
+        msg = msg.removeprefix("Value error, ")
+        if ": " in msg and re.match(r"^[\w.]+: ", msg):
+            sub, msg = msg.split(": ", 1)
+            loc = loc + [sub] if not sub.startswith(tuple(f"{t}." for t in Recipe.model_fields)) else sub.split(".")
+        return ".".join(loc), msg
+    if kind == "union_tag_invalid":
+        return ".".join(loc + ["type"]), f"unknown loss type; choose one of {', '.join(LOSS_TYPES)} (got {e['input'].get('type')!r})"
+    if kind.startswith(("greater_than", "less_than")):
+        bound = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        limit = next(iter(e["ctx"].values()))
+        return ".".join(loc), f"must be {bound} {limit} (got {e['input']!r})"
+    return ".".join(loc), f"{msg[0].lower()}{msg[1:]} (got {e['input']!r})"
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError."""
+    path = Path(path)
+    try:
+        tree = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), "", f"invalid TOML: {e}") from None
+    for text in overrides:
+        _set_path(tree, *parse_override(text))
+    if isinstance(tree.get("optim", {}).get("betas"), list):
+        tree["optim"]["betas"] = tuple(tree["optim"]["betas"])
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        key, msg = _first_error(e)
+        raise ConfigError(str(path), key, msg) from None
+
+
+def to_toml(recipe: Recipe) -> str:
+    """The fully resolved recipe as TOML (what `--dry-run` prints and the run directory keeps)."""
+    lines: list[str] = []
+
+    def emit(prefix: str, table: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for k, v in scalars.items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(f"{prefix}.{k}" if prefix else k, v)
+
+    emit("", recipe.model_dump(mode="python"))
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'

