@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -127,7 +127,8 @@ class RolloutConfig(Table):
     def _check_top_p(self) -> RolloutConfig:
         if self.top_p != 1.0:
             raise ValueError(
-                "top_p: must be 1.0 for training rollouts (truncated sampling biases the importance ratio)"
+                "top_p: must be 1.0 for training rollouts (truncated sampling biases the importance ratio) "
+                f"(got {self.top_p})"
             )
         return self
 
@@ -262,11 +263,11 @@ class Recipe(Table):
 # --- loading -------------------------------------------------------------------------------------
 
 
-def parse_override(text: str) -> tuple[str, Any]:
+def parse_override(text: str, source: str = "--set") -> tuple[str, Any]:
     """`key.path=value`, where value is a TOML value, or a bare string when it does not parse."""
-    if "=" not in text:
-        raise ConfigError("--set", text, "expected key.path=value")
-    key, raw = (part.strip() for part in text.split("=", 1))
+    key, sep, raw = (part.strip() for part in text.partition("="))
+    if not sep or not re.fullmatch(r"\w+(\.\w+)*", key):
+        raise ConfigError(source, text, "expected key.path=value")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -274,45 +275,89 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_path(tree: dict[str, Any], key: str, value: Any) -> None:
+def _set_path(tree: dict[str, Any], key: str, value: Any, source: str = "--set") -> None:
     *parents, leaf = key.split(".")
     node = tree
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError("--set", key, f"{part} is not a table")
+            raise ConfigError(source, key, f"{part} is not a table")
     node[leaf] = value
 
 
+def _table_at(loc: list[str | int]) -> type[Table]:
+    """The table that pydantic's error location `loc` points into (loss tags pick the loss class)."""
+    table: Any = Recipe
+    for part in loc:
+        if isinstance(table, type) and issubclass(table, Table):
+            table = table.model_fields[part].annotation
+        else:  # a discriminated union: `part` is the tag
+            table = next(t for t in get_args(table) if t.model_fields["type"].default == part)
+    return table
+
+
+_TYPE_NAMES = {
+    "bool_type": "true or false",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "model_type": "a table",
+    "model_attributes_type": "a table",
+    "dict_type": "a table",
+}
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _show(value: Any) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
 def _first_error(err: ValidationError) -> tuple[str, str]:
+    """(key.path, problem) of the first validation error, phrased for the recipe's author."""
     e = err.errors(include_url=False)[0]
-    loc = [str(p) for p in e["loc"]]
+    raw = list(e["loc"])
     # Discriminated unions add the tag to the location (loss.m2po.tau): drop it.
-    loc = [p for i, p in enumerate(loc) if not (i > 0 and loc[i - 1] == "loss" and p in LOSS_TYPES)]
-    msg: str = e["msg"]
-    kind = e["type"]
+    loc = [str(p) for i, p in enumerate(raw) if not (i > 0 and raw[i - 1] == "loss" and p in LOSS_TYPES)]
+    kind, got = e["type"], e.get("input")
+    if kind == "missing" and raw and isinstance(raw[-1], int):
+        # A missing item of a fixed-length array (optim.betas.1): report the array's length.
+        raw, loc, kind = raw[:-1], loc[:-1], "too_short"
+    if kind in ("too_short", "too_long"):
+        size = len(get_args(_table_at(raw[:-1]).model_fields[raw[-1]].annotation))
+        return ".".join(loc), f"must be an array of {size} items (got {_show(got)})"
     if kind == "extra_forbidden":
-        return ".".join(loc), "unknown key"
+        what = "table" if isinstance(got, dict) else "key"
+        known = ", ".join(_table_at(raw[:-1]).model_fields)
+        return ".".join(loc), f"unknown {what}; expected one of {known}"
     if kind == "missing":
-        return ".".join(loc), "required key is missing"
+        is_table = isinstance(_table_at(raw), type) and issubclass(_table_at(raw), Table)
+        return ".".join(loc), f"required {'table' if is_table else 'key'} is missing"
     if kind == "value_error":
         # Our validators name the sub-key themselves: "sub: message".
-        msg = msg.removeprefix("Value error, ")
-        if ": " in msg and re.match(r"^[\w.]+: ", msg):
+        msg = e["msg"].removeprefix("Value error, ")
+        if re.match(r"^[\w.]+: ", msg):
             sub, msg = msg.split(": ", 1)
-            loc = loc + [sub] if not sub.startswith(tuple(f"{t}." for t in Recipe.model_fields)) else sub.split(".")
+            loc = sub.split(".") if sub.split(".")[0] in Recipe.model_fields and not loc else loc + [sub]
         return ".".join(loc), msg
-    if kind == "union_tag_invalid":
-        return ".".join(loc + ["type"]), f"unknown loss type; choose one of {', '.join(LOSS_TYPES)} (got {e['input'].get('type')!r})"
-    if kind.startswith(("greater_than", "less_than")):
-        bound = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        choices = f"choose one of {', '.join(LOSS_TYPES)}"
+        if kind == "union_tag_not_found":
+            return ".".join(loc + ["type"]), f"required key is missing; {choices}"
+        return ".".join(loc + ["type"]), f"unknown loss type; {choices} (got {got.get('type')!r})"
+    if kind in _BOUNDS:
         limit = next(iter(e["ctx"].values()))
-        return ".".join(loc), f"must be {bound} {limit} (got {e['input']!r})"
-    return ".".join(loc), f"{msg[0].lower()}{msg[1:]} (got {e['input']!r})"
+        return ".".join(loc), f"must be {_BOUNDS[kind]} {limit} (got {_show(got)})"
+    if kind in _TYPE_NAMES:
+        return ".".join(loc), f"must be {_TYPE_NAMES[kind]} (got {_show(got)})"
+    msg = re.sub(r"^(Input|String|Tuple|List|Value) should", "must", e["msg"])
+    return ".".join(loc), f"{msg[0].lower()}{msg[1:]} (got {_show(got)})"
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError."""
+    """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError.
+
+    Errors name the file; those caused by an override name it as `FILE (--set)`.
+    """
     path = Path(path)
     try:
         tree = tomllib.loads(path.read_text())
@@ -320,15 +365,21 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise ConfigError(str(path), "", "file not found") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(path), "", f"invalid TOML: {e}") from None
+    via_set = f"{path} (--set)"
+    overridden = []
     for text in overrides:
-        _set_path(tree, *parse_override(text))
-    if isinstance(tree.get("optim", {}).get("betas"), list):
-        tree["optim"]["betas"] = tuple(tree["optim"]["betas"])
+        key, value = parse_override(text, via_set)
+        _set_path(tree, key, value, via_set)
+        overridden.append(key)
+    optim = tree.get("optim")
+    if isinstance(optim, dict) and isinstance(optim.get("betas"), list):
+        optim["betas"] = tuple(optim["betas"])
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:
         key, msg = _first_error(e)
-        raise ConfigError(str(path), key, msg) from None
+        hit = any(f"{key}.".startswith(f"{k}.") or f"{k}.".startswith(f"{key}.") for k in overridden)
+        raise ConfigError(via_set if hit else str(path), key, msg) from None
 
 
 def to_toml(recipe: Recipe) -> str:

@@ -126,7 +126,9 @@ class Learner:
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_states(buffer_device=self.device)
-        hf_state = load_file(str(Path(model_dir) / "model.safetensors"))
+        hf_state = {}
+        for shard in sorted(Path(model_dir).glob("*.safetensors")):
+            hf_state.update(load_file(str(shard)))
         set_model_state_dict(
             model,
             self.arch.adapter.from_hf(hf_state),

@@ -31,6 +31,7 @@ from m2po_cli.config import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLos
 
 Metrics = dict[str, Tensor]
 QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
+TOPK_FIRST = 4096  # the M2 rules first look at this many of the largest M2, then 4x as many, ...
 
 
 class MissingBehaviourLogprobs(ValueError):
@@ -189,99 +190,128 @@ def ratio_quantiles(log_ratio_BT: Tensor, mask_BT: Tensor, group: dist.ProcessGr
 
 
 class TrustRegionM2(NamedTuple):
-    """The trust-region M2 of a batch (reduced over ranks), as both M2 rules need it.
+    """The trust-region M2 of a batch, reduced over ranks: what both M2 rules need.
 
-    Only tokens with M2 > tau can ever be masked or decide the cap, so only the trust-region tokens
-    with z > `floor` (just below sqrt(tau)) are gathered and sorted; the others enter through their
-    count, M2 sum and largest z. Sorting is by value, so `top_N` is bit-identical however the batch
-    is split over micro-batches and ranks.
+    Only tokens with M2 > tau are ever masked or decide the cap, so only the trust-region tokens
+    with z > `floor` (just below sqrt(tau)) are gathered; the rule then reads only the largest of
+    them (`_largest`). Everything else enters through the count and the M2 sum.
     """
 
-    top_N: Tensor  # ascending z of the trust-region tokens with z > floor (float32)
-    num_rest: Tensor  # number of the other trust-region tokens (0 < z <= floor), float64
-    m2_rest: Tensor  # their sum of M2 = z^2 (float64, squares exact)
-    max_rest: Tensor  # their largest z (0 if none)
-    floor: float  # the split point, < sqrt(tau)
+    top_N: Tensor  # z of the trust-region tokens with z > floor (float32, unordered, all ranks)
+    num: Tensor  # number of trust-region tokens (float64)
+    m2_sum: Tensor  # sum of their M2 = z^2 (float64; the squares are exact)
+    floor: float  # < sqrt(tau)
 
 
 def trust_region_m2(z_BT: Tensor, tau: float, group: dist.ProcessGroup | None = None) -> TrustRegionM2:
-    """Summarise z = log r * sign(A) (0 on padding, see `toward_advantage`) for `m2po_cut` / `released_cap`."""
+    """Summarise z = log r * sign(A) (float32, 0 on padding; see `toward_advantage`) over the batch."""
     floor = float(torch.tensor(math.sqrt(tau), dtype=torch.float32)) * (1 - 2**-10)
-    top_BT = z_BT > floor
-    rest_BT = z_BT.clamp(min=0).masked_fill_(top_BT, 0)
-    rest64_N = rest_BT.double().view(-1)
-    stats = torch.stack([torch.count_nonzero(rest_BT).double(), torch.dot(rest64_N, rest64_N)])
-    stats = _all_reduce(stats, dist.ReduceOp.SUM, group)
-    max_rest = _all_reduce(
-        rest_BT.amax() if rest_BT.numel() else rest_BT.new_zeros(()), dist.ReduceOp.MAX, group
-    )
-    top_N = torch.sort(_gather(z_BT[top_BT], group)).values
-    return TrustRegionM2(top_N, stats[0], stats[1], max_rest, floor)
+    positive_N = z_BT.clamp(min=0).view(-1).double()
+    stats = torch.stack([torch.count_nonzero(positive_N).double(), torch.dot(positive_N, positive_N)])
+    num, m2_sum = _all_reduce(stats, dist.ReduceOp.SUM, group)
+    return TrustRegionM2(_gather(z_BT[z_BT > floor], group), num, m2_sum, floor)
+
+
+def _largest(tr: TrustRegionM2, stop) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Search the largest trust-region M2 for a rule's stopping index: top-k, k = TOPK_FIRST, 4k, ...
+
+    `stop(m2_K, prefix_K1, complete)` gets the M2 of the K largest tokens (descending), prefix_K1[i]
+    = the sum of the i largest (i = 0..K), and whether these are all of `top_N`; it returns a bool
+    per i = 0..K, True where the rule may stop. Each round is one top-k of the gathered values and
+    one host sync, never a loop over tokens. Returns (z_K, m2_K, prefix_K1, stop_K1).
+    """
+    n_top, k = tr.top_N.numel(), TOPK_FIRST
+    while True:
+        complete = k >= n_top
+        z_K = torch.topk(tr.top_N, min(k + 1, n_top)).values  # one more: is there a cut after k?
+        m2_K = z_K.double().square()
+        prefix_K1 = torch.cat([m2_K.new_zeros(1), m2_K.cumsum(0)])
+        stop_K1 = stop(m2_K, prefix_K1, complete)
+        if complete or bool(stop_K1.any()):
+            return z_K, m2_K, prefix_K1, stop_K1
+        k *= 4
 
 
 def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Algorithm 1 of the paper, vectorised: one sort and one prefix sum.
+    """Algorithm 1 of the paper, vectorised: a top-k and a prefix sum over the trust-region M2.
 
-    While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. Keeping
-    the smallest m leaves the mean cumsum(M2)[m] / m, so the loop stops at the largest m whose mean
-    is <= tau (m = 0, everything masked, if none is). Tokens with M2 <= tau are never reached.
+    While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. After
+    the i largest left, the mean is (sum - prefix[i]) / (|T| - i), so the loop stops at the first i
+    whose mean is <= tau (i = |T|, everything masked, if none is). Tokens with M2 <= tau are never
+    reached: the mean cannot exceed the largest value left.
     Tie rule: tokens of equal M2 leave together. The paper takes "the token with the largest M2"
     one at a time and leaves open which of equal ones goes first; leaving together makes the mask a
     function of the values alone, so it cannot depend on how the batch is split or ordered. It masks
-    more than one-at-a-time only when equal values straddle the stopping point (M2 = [1, 1, 0 x 98],
-    tau = 0.015: one at a time masks one of the 1s, we mask both); both stop with a mean <= tau.
-    So m may only cut between distinct values.
+    more than one-at-a-time only when equal values straddle the stopping point (M2 = [1, 1] and 98
+    tokens of 1e-4, tau = 0.015: one at a time masks one of the 1s, we mask both); both stop with a
+    mean <= tau.
+    So i may only fall between distinct values.
 
     Returns (threshold, num_masked, m2_before, m2_after): a token is masked iff its z > threshold;
     the mean M2 over T before and after masking (float64; 0 over an empty set).
     """
-    n_top = tr.top_N.numel()
-    m2_N = tr.top_N.double().square()  # exact for float32 z: ties in z are ties in M2
-    sums_J = torch.cat([tr.m2_rest.reshape(1), m2_N]).cumsum(0)  # J = j kept of top_N, 0..n_top
-    j_J = torch.arange(n_top + 1, device=m2_N.device)
-    kept_J = tr.num_rest + j_J
-    mean_J = torch.where(kept_J > 0, sums_J / kept_J, 0.0)
-    cut_J = torch.ones(n_top + 1, dtype=torch.bool, device=m2_N.device)
-    cut_J[1:n_top] = m2_N[:-1] < m2_N[1:]
-    j = torch.where(cut_J & (kept_J > 0) & (mean_J <= tau), j_J, 0).max()
-    top_N = torch.cat([tr.top_N.new_full((1,), tr.floor), tr.top_N])
-    return top_N[j], n_top - j, mean_J[-1], mean_J[j]
+
+    def mean_left(prefix_K1: Tensor) -> Tensor:  # mean M2 after the i largest left, i = 0..K
+        kept_K1 = tr.num - torch.arange(prefix_K1.numel(), device=prefix_K1.device)
+        return torch.where(kept_K1 > 0, (tr.m2_sum - prefix_K1) / kept_K1, 0.0)
+
+    def stop(m2_K: Tensor, prefix_K1: Tensor, complete: bool) -> Tensor:
+        between_K1 = torch.ones_like(prefix_K1, dtype=torch.bool)
+        between_K1[1:-1] = m2_K[:-1] > m2_K[1:]
+        between_K1[-1] = complete  # past the last top value come only M2 < tau: a cut
+        return between_K1 & (mean_left(prefix_K1) <= tau)
+
+    z_K, _, prefix_K1, stop_K1 = _largest(tr, stop)
+    i = torch.argmax(stop_K1.to(torch.uint8))  # the first stop: mask the i largest
+    mean_K1 = mean_left(prefix_K1)
+    threshold = torch.cat([z_K, z_K.new_full((1,), tr.floor)])[i]  # z_K[i], or every top value
+    return threshold, i, mean_K1[0], mean_K1[i]
 
 
-def released_cap(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor]:
+def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The released code's cap (`kpo_clip_harmful_tokens`), vectorised.
 
     If the mean M2 over T is <= tau: no clip (cap = inf). Otherwise the cap is searched over the
     tokens' own values: with M2 ascending, k is the first index at which the capped mean
     (1/|T|) sum_i min(M2_i, M2_(k)) reaches tau, and c^2 = M2_(k-1) (c = 0 if k = 0): the largest
     M2 whose capped mean stays below tau. The code subtracts 1e-12 from c^2, so tokens with |log r|
-    equal to c are clipped too; we keep that and drop its other 1e-12 slacks.
+    equal to c are clipped too; we keep that and drop its other 1e-12 slacks. `max_rest`: the
+    largest z of the trust-region tokens not in `tr.top_N` (0 if none), the cap if no top value is.
 
     Returns (cap, m2_before, m2_after): trust-region tokens with z >= cap are clipped; the mean M2
     over T before, and after capping (float64; 0 over an empty set).
     """
-    n_top = tr.top_N.numel()
-    n = tr.num_rest + n_top
-    m2_N = tr.top_N.double().square()
-    csum_N = torch.cat([tr.m2_rest.reshape(1), m2_N]).cumsum(0)
-    m2_before = torch.where(n > 0, csum_N[-1] / n, 0.0)
-    if n_top == 0:  # every M2 <= tau: within budget
-        return tr.top_N.new_full((), math.inf), m2_before, m2_before
-    above_N = torch.arange(n_top - 1, -1, -1, device=m2_N.device)  # tokens above index j
-    capped_N = (csum_N[1:] + above_N * m2_N) / n  # capped mean with c^2 = M2_(j)
-    k = torch.argmax((capped_N >= tau).to(torch.uint8))  # first index reaching tau
-    last = (k - 1).clamp(min=0)
-    rest_capped = (tr.m2_rest + n_top * tr.max_rest.double().square()) / n  # c = the largest rest z
-    cap = torch.where(k > 0, tr.top_N[last], tr.max_rest)
-    m2_after = torch.where(k > 0, capped_N[last], rest_capped)
+    n = tr.num
+    m2_before = torch.where(n > 0, tr.m2_sum / n, 0.0)
+    rest_m2 = max_rest.double().square().reshape(1)
+
+    def stop(m2_K: Tensor, prefix_K1: Tensor, complete: bool) -> Tensor:
+        # Descending, the cap is the first value whose capped mean is below tau.
+        rank_K1 = torch.arange(prefix_K1.numel(), device=m2_K.device)
+        below_K1 = (rank_K1 * torch.cat([m2_K, rest_m2]) + tr.m2_sum - prefix_K1) / n < tau
+        below_K1[-1] = complete  # capped at max_rest, the mean is below tau
+        return below_K1
+
+    if tr.top_N.numel() == 0:  # every M2 < tau: within budget
+        return max_rest.new_full((), math.inf), m2_before, m2_before
+    z_K, m2_K, prefix_K1, below_K1 = _largest(tr, stop)
+    j = torch.argmax(below_K1.to(torch.uint8))
+    cap = torch.cat([z_K, max_rest.reshape(1)])[j]
+    m2_after = (j * torch.cat([m2_K, rest_m2])[j] + tr.m2_sum - prefix_K1[j]) / n
     over = m2_before > tau
     return torch.where(over, cap, math.inf), m2_before, torch.where(over, m2_after, m2_before)
 
 
-def _effective_cap(cap: Tensor, tr: TrustRegionM2) -> Tensor:
+def _max_rest(z_BT: Tensor, floor: float, group: dist.ProcessGroup | None) -> Tensor:
+    """The largest z in (0, floor] over the batch, 0 if none: the cap below every top value."""
+    rest_BT = torch.where(z_BT <= floor, z_BT, 0.0)
+    return _all_reduce(rest_BT.amax() if rest_BT.numel() else rest_BT.new_zeros(()), dist.ReduceOp.MAX, group)
+
+
+def _effective_cap(cap: Tensor, tr: TrustRegionM2, max_rest: Tensor) -> Tensor:
     """The cap as logged: a batch within budget reports its largest trust-region |log r| (a cap that
     clips nothing) instead of inf; 0 without trust-region tokens."""
-    largest = tr.top_N[-1] if tr.top_N.numel() else tr.max_rest
+    largest = tr.top_N.max() if tr.top_N.numel() else max_rest
     return torch.minimum(cap, largest)
 
 
@@ -324,7 +354,7 @@ class GRPO(_NoGlobalPass):
         metrics = {}
         if self.cfg.dual_clip is not None:
             floor_BT = self.cfg.dual_clip * advantages_BT
-            dual_BT = valid_BT & (floor_BT > objective_BT)  # only where A < 0, since c > 1
+            dual_BT = valid_BT & (advantages_BT < 0) & (floor_BT > objective_BT)
             objective_BT = torch.where(dual_BT, floor_BT, objective_BT)
             clipped_BT = clipped_BT | dual_BT
             metrics["loss/dual_clip_frac"] = torch.count_nonzero(dual_BT) / denom
@@ -363,14 +393,13 @@ class M2PO:
         z_BT = toward_advantage(torch.where(valid_BT, log_ratio_BT.detach().float(), 0.0), advantages_BT)
         tr = trust_region_m2(z_BT, self.cfg.tau, group)
         threshold, num_masked, m2_before, m2_after = m2po_cut(tr, self.cfg.tau)
-        keep_BT = valid_BT & (z_BT <= threshold)
         metrics = {
             "m2po/m2_before": m2_before,
             "m2po/m2_after": m2_after,
             "m2po/num_masked": num_masked,
-            "m2po/num_trust_region": tr.num_rest + tr.top_N.numel(),
+            "m2po/num_trust_region": tr.num,
         }
-        return keep_BT, metrics
+        return valid_BT & (z_BT <= threshold), metrics
 
     def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
         if aux_BT is None:
@@ -408,32 +437,33 @@ class M2POCap:
             return None, {}
         valid_BT = mask_BT.bool()
         z_BT = toward_advantage(torch.where(valid_BT, log_ratio_BT.detach().float(), 0.0), advantages_BT)
+        cap, metrics, num_trust_region = self._cap(z_BT, group)
+        return cap.expand(log_ratio_BT.shape), metrics | {"m2po/num_trust_region": num_trust_region}
+
+    def _cap(self, z_BT: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Metrics, Tensor]:
+        """The cap over the tokens of z_BT (and of the other ranks of `group`), its metrics, |T|."""
         tr = trust_region_m2(z_BT, self.cfg.tau, group)
-        cap, m2_before, m2_after = released_cap(tr, self.cfg.tau)
+        max_rest = _max_rest(z_BT, tr.floor, group)
+        cap, m2_before, m2_after = released_cap(tr, self.cfg.tau, max_rest)
         metrics = {
-            "m2po/cap": _effective_cap(cap, tr),
+            "m2po/cap": _effective_cap(cap, tr, max_rest),
             "m2po/m2_before": m2_before,
             "m2po/m2_after": m2_after,
-            "m2po/num_trust_region": tr.num_rest + tr.top_N.numel(),
         }
-        return cap.expand(log_ratio_BT.shape), metrics
+        return cap, metrics, tr.num
 
     def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+        """Micro-batch scope: `m2po/cap`, `m2po/m2_before`, `m2po/m2_after` come weighted by the
+        micro-batch's share of the batch's tokens, so their sums are token-weighted means."""
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
         log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "m2po_cap")
         z_BT = toward_advantage(log_ratio_BT.detach(), advantages_BT)
         metrics = {}
         if self.cfg.scope == "micro_batch":
-            tr = trust_region_m2(z_BT.float(), self.cfg.tau)
-            cap, m2_before, m2_after = released_cap(tr, self.cfg.tau)
-            # Weighted by the micro-batch's share of tokens: the sums over micro-batches and ranks
-            # are token-weighted means.
+            cap, cap_metrics, num_trust_region = self._cap(z_BT.float(), None)
             share = torch.count_nonzero(valid_BT) / denom
-            metrics = {
-                "m2po/cap": _effective_cap(cap, tr) * share,
-                "m2po/m2_before": m2_before * share,
-                "m2po/m2_after": m2_after * share,
-            }
+            metrics = {name: value * share for name, value in cap_metrics.items()}
+            metrics["m2po/num_trust_region"] = num_trust_region
         elif aux_BT is None:
             raise ValueError(
                 "m2po_cap (scope global): no cap; call prepare() on the whole optimizer batch first"

@@ -63,6 +63,7 @@ class WarmStart:
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
+    echo_problem: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +277,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     for _ in range(ws.steps):
         operands_BO = torch.randint(0, ws.max_operand + 1, (ws.batch_size, ws.num_operands), generator=gen)
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
-        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), guesses_B.tolist())
+        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), guesses_B.tolist(), ws.echo_problem)
         loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -285,7 +286,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
 
 
 def _format_batch(
-    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int]
+    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int], echo: bool = False
 ) -> tuple[Any, Any]:
     """Right-padded `prompt + \\boxed{answer}<|im_end|>` ids and labels (-100 outside the response).
 
@@ -295,10 +296,11 @@ def _format_batch(
 
     rows, masks = [], []
     for ops, answer in zip(operands, answers, strict=True):
-        messages = [{"role": "user", "content": "+".join(map(str, ops))}]
+        problem = "+".join(map(str, ops))
+        messages = [{"role": "user", "content": problem}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        response_ids = tokenizer.encode(f"{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
+        response_ids = tokenizer.encode(f"{problem + '=' if echo else ''}{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
         rows.append(prompt_ids + response_ids)
         masks.append([False] * len(prompt_ids) + [True] * len(response_ids))
     num_tokens = max(map(len, rows))

@@ -4,6 +4,9 @@ torchtitan ships fixed flavours (Qwen3-0.6B, Llama-3-8B, ...); a user's checkpoi
 so the decoder config is derived from the HF config instead. Weights move between the two naming
 schemes through torchtitan's own state-dict adapters, which are bit-exact both ways.
 
+Qwen2 / Qwen2.5 have no torchtitan model of their own: they are Qwen3 without qk-norm and with
+biases on the q/k/v projections, so they run on the Qwen3 classes with those two switches.
+
 Attention is causal SDPA over right-padded batches on every device: FlexAttention has no backward
 on CPU, and padding keeps one code path. QKV projections stay unfused so parameter names map 1:1
 onto the HF checkpoint.
@@ -56,6 +59,18 @@ class UnsupportedModel(ValueError):
     pass
 
 
+class Qwen2StateDictAdapter(Qwen3StateDictAdapter):
+    """Qwen3's HF mapping plus the q/k/v projection biases of Qwen2 / Qwen2.5."""
+
+    def __init__(self, model_config: Qwen3Model.Config, hf_assets_path: str | None):
+        super().__init__(model_config, hf_assets_path)
+        for p in "qkv":
+            # "{}" is the layer number: both directions abstract the first number of a key.
+            self.from_hf_map[f"model.layers.{{}}.self_attn.{p}_proj.bias"] = (
+                f"layers.{{}}.attention.qkv_linear.w{p}.bias"
+            )
+
+
 def load_arch(model_dir: str | Path) -> ModelArch:
     """Read `config.json` of an HF checkpoint and build the matching torchtitan config."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
@@ -63,11 +78,14 @@ def load_arch(model_dir: str | Path) -> ModelArch:
     if family == "qwen3":
         config = _qwen3(hf)
         adapter = Qwen3StateDictAdapter(config, None)
+    elif family == "qwen2":
+        config = _qwen2(hf)
+        adapter = Qwen2StateDictAdapter(config, None)
     elif family == "llama":
         config = _llama(hf)
         adapter = Llama3StateDictAdapter(config, None)
     else:
-        raise UnsupportedModel(f"{model_dir}: model_type {family!r} is not supported (qwen3, llama)")
+        raise UnsupportedModel(f"{model_dir}: model_type {family!r} is not supported (qwen3, qwen2, llama)")
     return ModelArch(family, config, adapter, bool(hf.get("tie_word_embeddings", False)), hf)
 
 
@@ -95,10 +113,10 @@ def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
     return None if kind == "default" else params
 
 
-def _attention(hf: dict[str, Any], rope: Any, qk_norm: bool) -> Any:
+def _attention(hf: dict[str, Any], rope: Any, qk_norm: bool, qkv_bias: bool = False) -> Any:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // n_heads
-    return make_gqa_config(
+    attention = make_gqa_config(
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads", n_heads),
@@ -112,6 +130,10 @@ def _attention(hf: dict[str, Any], rope: Any, qk_norm: bool) -> Any:
         if qk_norm
         else None,
     )
+    # make_gqa_config has no bias switch; wkv is the one config both wk and wv are built from.
+    qkv = attention.qkv_linear
+    qkv.wq.bias = qkv.wkv.bias = qkv_bias
+    return attention
 
 
 def _ffn(hf: dict[str, Any]) -> Any:
@@ -129,13 +151,29 @@ def _qwen3(hf: dict[str, Any]) -> Qwen3Model.Config:
         raise UnsupportedModel("qwen3 with attention_bias is not supported")
     if _rope_scaling(hf) is not None:
         raise UnsupportedModel("qwen3 with rope scaling is not supported")
+    return _qwen_decoder(hf, qk_norm=True, qkv_bias=False)
+
+
+def _qwen2(hf: dict[str, Any]) -> Qwen3Model.Config:
+    """Qwen2 / Qwen2.5: full causal attention only, as the learner has no sliding-window mask."""
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise UnsupportedModel(
+            "qwen2 with sliding-window attention is not supported (set use_sliding_window: false)"
+        )
+    if _rope_scaling(hf) is not None:
+        raise UnsupportedModel("qwen2 with rope scaling is not supported")
+    return _qwen_decoder(hf, qk_norm=False, qkv_bias=True)
+
+
+def _qwen_decoder(hf: dict[str, Any], qk_norm: bool, qkv_bias: bool) -> Qwen3Model.Config:
+    """Qwen3Model config with rotate-half RoPE; Qwen2 and Qwen3 differ only in the two switches."""
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=hf["max_position_embeddings"], theta=_rope_theta(hf))
     layers = [
         Qwen3TransformerBlock.Config(
             attention_norm=_norm(hf),
             ffn_norm=_norm(hf),
-            attention=_attention(hf, rope, qk_norm=True),
+            attention=_attention(hf, rope, qk_norm=qk_norm, qkv_bias=qkv_bias),
             feed_forward=_ffn(hf),
         )
         for _ in range(hf["num_hidden_layers"])

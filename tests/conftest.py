@@ -24,3 +24,31 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         additional_special_tokens=specials[1:],
         chat_template=CHAT_TEMPLATE,
     )
+
+
+# --- real-stack fixtures --------------------------------------------------------------------------
+
+import os  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# vLLM and inductor side files (ZMQ sockets, compile caches) stay out of the user's folders.
+_SIDE = Path(tempfile.mkdtemp(prefix="m2po-tests-"))
+for var, sub in [
+    ("VLLM_CACHE_ROOT", "vllm"),
+    ("VLLM_RPC_BASE_PATH", "rpc"),
+    ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+]:
+    os.environ.setdefault(var, str(_SIDE / sub))
+    Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
+os.environ.setdefault("WANDB_MODE", "offline")
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+
+
+def recipe_for(tmp_path: Path, *overrides: str):
+    """The quickstart recipe, writing under tmp_path, with `--set`-style overrides."""
+    from m2po_cli.config import load_recipe
+
+    base = [f'run.output_dir="{tmp_path}"', 'logging.console="plain"']
+    return load_recipe(QUICKSTART, base + list(overrides))

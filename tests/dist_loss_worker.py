@@ -1,0 +1,109 @@
+"""One rank of tests/test_loss_distributed.py; run with `torchrun --nproc-per-node 2` (gloo, CPU).
+
+Each rank holds an uneven slice of the rows of one optimizer batch, calls `prepare` with the
+process group, then one loss call + backward per micro-batch. Mask, summed loss, all-reduced
+gradient and metrics must equal those of this same process holding the whole batch alone. Writes
+`rank<r>.json` to the folder given as the only argument; exits 1 on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from m2po_cli import loss as loss_module
+from m2po_cli.config import M2POCapLoss, M2POLoss
+from m2po_cli.loss import build_loss
+
+ROWS, COLS = 13, 40
+RANK_ROWS = [(0, 4), (4, ROWS)]  # uneven on purpose
+RANK_MICRO_BATCHES = [[3, 1], [2, 2, 5]]
+
+
+def batch(seed: int = 11) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (ROWS, COLS)
+    log_ratio = 0.15 * torch.randn(shape, generator=g) / torch.randn(shape, generator=g).abs().clamp(min=0.05)
+    log_ratio[:, ::5] = torch.round(log_ratio[:, ::5] * 4) / 4  # ties, on both ranks
+    advantages = (torch.randn(ROWS, 1, generator=g) * (torch.rand(ROWS, 1, generator=g) > 0.2)).expand(shape)
+    valid = torch.arange(COLS) < torch.randint(0, COLS + 1, (ROWS, 1), generator=g)
+    behaviour = -3 * torch.rand(shape, generator=g)
+    return log_ratio, advantages, valid, behaviour
+
+
+def run(cfg, rows: slice, micro_batches: list[int], group) -> dict:
+    """prepare over this process's rows (with `group`), then the micro-batches; sums and the gradient."""
+    log_ratio, advantages, valid, behaviour = (t[rows] for t in batch())
+    num_tokens = int(batch()[2].sum())  # the whole optimizer batch, every rank
+    loss_fn = build_loss(cfg)
+    logprobs = (behaviour + log_ratio).requires_grad_()
+    aux, prepared = loss_fn.prepare(log_ratio, advantages, valid, group)
+    loss_sum, metrics, start = torch.zeros(()), {}, 0
+    for size in micro_batches:
+        mb = slice(start, start + size)
+        loss, mb_metrics = loss_fn(
+            logprobs[mb], behaviour[mb], advantages[mb], valid[mb], aux[mb], num_tokens
+        )
+        loss.backward()
+        loss_sum += loss.detach()
+        for name, value in mb_metrics.items():
+            metrics[name] = metrics.get(name, 0.0) + value.double()
+        start += size
+    return {"loss": loss_sum, "grad": logprobs.grad, "aux": aux, "metrics": metrics, "prepared": prepared}
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def compare(name: str, cfg, rank: int) -> dict:
+    start, stop = RANK_ROWS[rank]
+    mine = run(cfg, slice(start, stop), RANK_MICRO_BATCHES[rank], dist.group.WORLD)
+    whole = run(cfg, slice(0, ROWS), [ROWS], None)
+    # FSDP sums gradients over ranks: place this rank's rows, sum over ranks.
+    grad = torch.zeros(ROWS, COLS)
+    grad[start:stop] = mine["grad"]
+    checks = {
+        "mask": torch.equal(mine["aux"], whole["aux"][start:stop]),
+        "gradient": torch.equal(all_sum(grad), whole["grad"]),
+        "loss": math.isclose(float(all_sum(mine["loss"])), float(whole["loss"]), rel_tol=1e-6, abs_tol=1e-9),
+        "call metrics": all(
+            math.isclose(float(all_sum(value)), float(whole["metrics"][key]), rel_tol=1e-6, abs_tol=1e-9)
+            for key, value in mine["metrics"].items()
+        )
+        and mine["metrics"].keys() == whole["metrics"].keys(),
+        "prepare metrics": mine["prepared"].keys() == whole["prepared"].keys()
+        and all(
+            math.isclose(float(value), float(whole["prepared"][key]), rel_tol=1e-12)
+            for key, value in mine["prepared"].items()
+        ),
+    }
+    prepared = {key: float(value) for key, value in whole["prepared"].items()}
+    return {"name": name, "checks": checks, "prepared": prepared, "loss": float(whole["loss"])}
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cases = []
+    for topk_first in (4096, 1):  # 1: the top-k search takes several rounds
+        with mock.patch.object(loss_module, "TOPK_FIRST", topk_first):
+            cases.append(compare(f"m2po topk{topk_first}", M2POLoss(), rank))
+            cases.append(compare(f"m2po tau=0.01 topk{topk_first}", M2POLoss(tau=0.01), rank))
+            cases.append(compare(f"m2po_cap global topk{topk_first}", M2POCapLoss(scope="global"), rank))
+    Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": cases}, indent=1))
+    dist.destroy_process_group()
+    return 0 if all(all(case["checks"].values()) for case in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

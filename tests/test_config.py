@@ -1,0 +1,300 @@
+"""Recipe schema contracts: every TOML file in the repository loads, malformed recipes fail with one
+line naming the file and key, `--set` overrides win, `--dry-run` round-trips without torch or vLLM,
+and `docs/recipes.md` matches the schema."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from functools import reduce
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from m2po_cli.cli import main
+from m2po_cli.config import PAPER_PROMPT_TEMPLATE, Recipe, Table, load_recipe, to_toml
+from m2po_cli.recipe_docs import render
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "recipes" / "quickstart.toml"
+# Build, run and tool outputs, not part of the repository (see .gitignore).
+SKIP_DIRS = {".venv", ".git", "runs", "wandb", "build", "dist", ".pytest_cache", ".ruff_cache"}
+TOML_FILES = sorted(p for p in ROOT.rglob("*.toml") if not SKIP_DIRS & set(p.relative_to(ROOT).parts))
+RECIPES = [p for p in TOML_FILES if p.parent == ROOT / "recipes"]
+GPU_TWINS = ["qwen3-8b-s256", "qwen3-1.7b-s256", "qwen2.5-math-7b-s256"]
+
+
+def _id(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# --- every TOML file in the repository -----------------------------------------------------------
+
+
+def test_recipes_found():
+    assert QUICKSTART in RECIPES
+    assert {f"{name}{twin}.toml" for name in GPU_TWINS for twin in ("", "-grpo")} <= {p.name for p in RECIPES}
+
+
+@pytest.mark.parametrize("path", TOML_FILES, ids=_id)
+def test_toml_file_loads(path: Path):
+    if path in RECIPES:
+        recipe = load_recipe(path)
+        assert recipe.run.name == path.stem, "run.name should match the recipe's file name"
+    else:
+        tomllib.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", GPU_TWINS)
+def test_grpo_twin_differs_only_in_loss(name: str):
+    m2po_path, grpo_path = ROOT / f"recipes/{name}.toml", ROOT / f"recipes/{name}-grpo.toml"
+    m2po_tree, grpo_tree = (tomllib.loads(p.read_text()) for p in (m2po_path, grpo_path))
+    for tree in (m2po_tree, grpo_tree):
+        tree.pop("loss")
+        tree["run"].pop("name")
+    assert m2po_tree == grpo_tree
+
+    _check_values(load_recipe(m2po_path), {"loss.type": "m2po", "loss.tau": 0.04, "run.name": name})
+    _check_values(
+        load_recipe(grpo_path),
+        {"loss.type": "grpo", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.dual_clip": None},
+    )
+
+
+# The paper's training setup (M2PO_FACTS.md, from the released Qwen2.5-Math-7B scripts).
+PAPER_SETTINGS = {
+    "data.source": "agentica-org/DeepScaleR-Preview-Dataset",
+    "data.prompt_key": "problem",
+    "data.answer_key": "answer",
+    "data.shuffle_seed": 42,
+    "data.prompt_template": PAPER_PROMPT_TEMPLATE,
+    "data.max_prompt_tokens": 1536,
+    "optim.lr": 1e-6,
+    "optim.weight_decay": 0.01,
+    "optim.grad_clip": 1.0,
+    "optim.warmup_updates": 0,
+    "optim.schedule": "constant",
+    "rollout.prompts_per_step": 256,
+    "rollout.n": 8,
+    "rollout.max_new_tokens": 2560,
+    "rollout.temperature": 1.0,
+    "rollout.top_p": 1.0,
+    "train.mini_batch_prompts": 64,
+    "updates_per_step": 4,
+    "staleness.s": 256,
+    "queue_batches": 64,
+    "run.steps": 1200,
+    "model.dtype": "bfloat16",
+    "train.activation_checkpointing": "full",
+    "checkpoint.every": 50,
+    "logging.wandb": True,
+    "logging.wandb_mode": "online",
+}
+
+
+@pytest.mark.parametrize("name", GPU_TWINS)
+def test_gpu_recipe_has_paper_settings(name: str):
+    _check_values(load_recipe(ROOT / f"recipes/{name}.toml"), PAPER_SETTINGS)
+
+
+def _check_values(recipe: Recipe, expected: dict[str, object]) -> None:
+    """Each dotted attribute path of `recipe` has its expected value."""
+    actual = {key: reduce(getattr, key.split("."), recipe) for key in expected}
+    assert actual == expected
+
+
+# --- malformed recipes: one line on stderr, exit 2 -----------------------------------------------
+
+# (id, key path the error must name or None for a TOML syntax error, {text in quickstart: replacement})
+MALFORMED = [
+    ("unknown_table", "bogus", {"[run]\n": "[bogus]\nx = 1\n\n[run]\n"}),
+    ("unknown_key", "run.bogus", {"steps = 150\n": "steps = 150\nbogus = 1\n"}),
+    ("unknown_loss_key", "loss.eps_low", {"tau = 0.04\n": "tau = 0.04\neps_low = 0.2\n"}),
+    ("unknown_subtable_key", "data.synthetic.bogus", {"num_operands = 2\n": "num_operands = 2\nbogus = 1\n"}),
+    ("string_for_int", "run.steps", {"steps = 150": 'steps = "150"'}),
+    ("float_for_int", "run.steps", {"steps = 150": "steps = 1.5"}),
+    ("float_for_bool", "train.compile", {"[train]\n": "[train]\ncompile = 1.5\n"}),
+    ("string_for_float", "optim.lr", {"lr = 3e-3": 'lr = "fast"'}),
+    (
+        "scalar_for_table",
+        "optim",
+        {"[run]\n": "optim = 3\n\n[run]\n", "[optim]\nlr = 3e-3\nweight_decay = 0.0\n": ""},
+    ),
+    ("bad_literal", "model.dtype", {"[model]\n": '[model]\ndtype = "fp16"\n'}),
+    ("betas_length", "optim.betas", {"weight_decay = 0.0": "weight_decay = 0.0\nbetas = [0.9]"}),
+    ("negative_lr", "optim.lr", {"lr = 3e-3": "lr = -3e-3"}),
+    ("zero_lr", "optim.lr", {"lr = 3e-3": "lr = 0.0"}),
+    ("int_out_of_range", "data.synthetic.max_operand", {"max_operand = 4": "max_operand = 0"}),
+    ("missing_model_dir", "model.path", {'path = "builtin:tiny-qwen3"': 'path = "/nonexistent/dir"'}),
+    ("unknown_builtin", "model.path", {'path = "builtin:tiny-qwen3"': 'path = "builtin:nope"'}),
+    ("n_1_with_std", "rollout.n", {"n = 8": "n = 1"}),
+    ("unknown_loss_type", "loss.type", {'type = "m2po"': 'type = "ppo"'}),
+    ("missing_loss_type", "loss.type", {'type = "m2po"\n': ""}),
+    ("tau_zero", "loss.tau", {"tau = 0.04": "tau = 0.0"}),
+    ("tau_negative", "loss.tau", {"tau = 0.04": "tau = -0.04"}),
+    ("top_p_below_1", "rollout.top_p", {"n = 8\n": "n = 8\ntop_p = 0.9\n"}),
+    # 32 / 8 = 4 updates per rollout batch, so s must be a multiple of 4.
+    (
+        "staleness_not_multiple",
+        "staleness.s",
+        {"[train]\n": "[train]\nmini_batch_prompts = 8\n", "s = 4": "s = 6"},
+    ),
+    (
+        "mini_batch_not_dividing",
+        "train.mini_batch_prompts",
+        {"[train]\n": "[train]\nmini_batch_prompts = 5\n"},
+    ),
+    ("data_file_missing", "data.source", {'"synthetic:arithmetic"': '"/nonexistent/prompts.jsonl"'}),
+    (
+        "template_without_problem",
+        "data.prompt_template",
+        {'prompt_template = "{problem}"': 'prompt_template = "x"'},
+    ),
+    ("invalid_toml", None, {"steps = 150": "steps = = 150"}),
+    ("missing_model", "model", {'[model]\npath = "builtin:tiny-qwen3"\n': ""}),
+]
+
+
+def _malformed(edits: dict[str, str]) -> str:
+    text = QUICKSTART.read_text()
+    for old, new in edits.items():
+        assert text.count(old) == 1, f"{old!r} is not exactly once in {QUICKSTART.name}"
+        text = text.replace(old, new)
+    return text
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+
+
+def _one_line_problem(proc: subprocess.CompletedProcess, prefix: str) -> str | None:
+    """What is wrong with a failed run's output, or None when it is the expected one-line error."""
+    lines = proc.stderr.splitlines()
+    if proc.returncode != 2:
+        return f"exit {proc.returncode}, stderr {proc.stderr!r}"
+    if "Traceback" in proc.stderr or len(lines) != 1:
+        return f"expected one line, got {proc.stderr!r}"
+    if proc.stdout:
+        return f"unexpected stdout {proc.stdout!r}"
+    if not lines[0].startswith(prefix):
+        return f"{lines[0]!r} does not start with {prefix!r}"
+    return None
+
+
+def test_malformed_recipes_fail_with_one_line(tmp_path: Path):
+    def check(case: tuple[str, str | None, dict[str, str]]) -> str | None:
+        case_id, key, edits = case
+        path = tmp_path / f"{case_id}.toml"
+        path.write_text(_malformed(edits))
+        proc = _cli("train", str(path))
+        prefix = f"{path}: invalid TOML: " if key is None else f"{path}: {key}: "
+        problem = _one_line_problem(proc, prefix)
+        return f"{case_id}: {problem}" if problem else None
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failures = [f for f in pool.map(check, MALFORMED) if f]
+    assert not failures, "\n".join(failures)
+
+
+def test_error_messages_show_the_bad_value(tmp_path: Path):
+    path = tmp_path / "r.toml"
+    path.write_text(QUICKSTART.read_text().replace("steps = 150", 'steps = "150"'))
+    with pytest.raises(Exception, match=r"run\.steps: must be an integer \(got '150'\)$"):
+        load_recipe(path)
+    path.write_text(QUICKSTART.read_text().replace("tau = 0.04", "tau = -1.0"))
+    with pytest.raises(Exception, match=r"loss\.tau: must be > 0(\.0)? \(got -1\.0\)$"):
+        load_recipe(path)
+
+
+# --- --set overrides -----------------------------------------------------------------------------
+
+
+def test_override_precedence_and_types():
+    assert load_recipe(QUICKSTART).run.steps == 150  # file beats the default of 100
+    r = load_recipe(
+        QUICKSTART,
+        ["optim.lr=1e-4", "run.name=foo", "rollout.n=4", "logging.wandb=true", "run.steps=7", "run.steps=9"],
+    )
+    assert r.optim.lr == 1e-4 and type(r.optim.lr) is float
+    assert r.run.name == "foo"
+    assert r.rollout.n == 4 and type(r.rollout.n) is int
+    assert r.logging.wandb is True
+    assert r.run.steps == 9  # the last override wins
+    assert load_recipe(QUICKSTART, ["optim.betas=[0.8, 0.9]"]).optim.betas == (0.8, 0.9)
+    assert load_recipe(QUICKSTART, ['loss={type = "grpo"}']).loss.type == "grpo"
+
+
+def test_bad_overrides_fail_with_one_line():
+    cases = [
+        (["--set", "optim.bogus=1"], "optim.bogus"),
+        (["--set", "optim.lr=-1"], "optim.lr"),
+        (["--set", "no_equals_sign"], "no_equals_sign"),
+        (["--set", "run.name.x=1"], "run.name.x"),
+    ]
+
+    def check(case: tuple[list[str], str]) -> str | None:
+        args, key = case
+        proc = _cli("train", str(QUICKSTART), *args)
+        problem = _one_line_problem(proc, f"{QUICKSTART} (--set): {key}: ")
+        return f"{args}: {problem}" if problem else None
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failures = [f for f in pool.map(check, cases) if f]
+    assert not failures, "\n".join(failures)
+
+
+# --- --dry-run -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=_id)
+def test_dry_run_round_trips(path: Path, tmp_path: Path):
+    result = CliRunner().invoke(main, ["train", str(path), "--dry-run", "--set", "run.seed=3"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == to_toml(load_recipe(path, ["run.seed=3"]))
+    printed = tmp_path / "resolved.toml"
+    printed.write_text(result.stdout)
+    assert load_recipe(printed) == load_recipe(path, ["run.seed=3"])
+
+
+def test_dry_run_imports_neither_torch_nor_vllm():
+    code = (
+        "import sys\n"
+        "from m2po_cli.cli import main\n"
+        f"main(['train', {str(QUICKSTART)!r}, '--dry-run'], standalone_mode=False)\n"
+        "heavy = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("[run]")
+
+
+# --- docs/recipes.md -----------------------------------------------------------------------------
+
+
+def test_every_key_has_a_description():
+    def walk(table: type[Table], path: str) -> list[str]:
+        missing = []
+        for key, info in table.model_fields.items():
+            if not info.description:
+                missing.append(f"{path}{key}")
+            ann = info.annotation
+            members = getattr(ann, "__args__", (ann,))
+            for member in members:
+                if isinstance(member, type) and issubclass(member, Table):
+                    missing += walk(member, f"{path}{key}.")
+        return missing
+
+    assert walk(Recipe, "") == []
+
+
+def test_recipe_docs_are_current():
+    assert (ROOT / "docs/recipes.md").read_text() == render(), (
+        "docs/recipes.md is out of date with m2po_cli/config.py; regenerate it with "
+        "`python -m m2po_cli.recipe_docs > docs/recipes.md`"
+    )

@@ -1,0 +1,88 @@
+"""Weight sync: after a push, the running vLLM engine scores tokens exactly as the learner does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m2po_cli.data import encode_prompt
+from m2po_cli.learner import Learner
+from m2po_cli.loss import build_loss
+from m2po_cli.models import resolve_model
+from m2po_cli.rollout import VLLMEngine
+from m2po_cli.staleness import RolloutBatch
+from m2po_cli.train import to_batch, train_on
+from tests.conftest import recipe_for
+
+pytestmark = pytest.mark.slow
+
+
+def logprob_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]) -> float:
+    """Largest |engine - learner| logprob over every token (after the first) of `sequences`."""
+    from_engine = engine.prompt_logprobs(sequences)
+    batch = RolloutBatch(
+        version=learner.version,
+        problem_ids=[0] * len(sequences),
+        answers=[""] * len(sequences),
+        prompts=[s[:1] for s in sequences],
+        responses=[s[1:] for s in sequences],
+        behaviour_logprobs=from_engine,
+        texts=[""] * len(sequences),
+        finished=[True] * len(sequences),
+        rewards_PG=torch.zeros(len(sequences), 1),
+    )
+    rows = to_batch(batch, range(len(sequences)), torch.zeros(len(sequences)))
+    learner_BL, _ = learner.score(rows)
+    return float(((learner_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL).max())
+
+
+def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> RolloutBatch:
+    """A real rollout batch with random rewards: enough to move the weights."""
+    prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in [(1, 2), (3, 4), (2, 2), (4, 0)]]
+    groups = engine.generate(prompts, seed=0)
+    samples = [c for g in groups for c in g]
+    gen = torch.Generator().manual_seed(0)
+    return RolloutBatch(
+        version=version,
+        problem_ids=list(range(len(prompts))),
+        answers=["0"] * len(prompts),
+        prompts=prompts,
+        responses=[c.token_ids for c in samples],
+        behaviour_logprobs=[c.logprobs for c in samples],
+        texts=[c.text for c in samples],
+        finished=[c.finished for c in samples],
+        rewards_PG=torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float(),
+    )
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"])
+def test_push_makes_engine_match_learner(model, tmp_path):
+    recipe = recipe_for(
+        tmp_path,
+        f'model.path="{model}"',
+        "optim.lr=0.02",
+        "rollout.prompts_per_step=4",
+        'loss={type="grpo"}',
+    )
+    model_dir = resolve_model(model)
+    learner = Learner(model_dir, recipe)
+    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)
+    tokenizer = engine.tokenizer
+    probe = [
+        encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
+        for p, a in [("3+4", "\\boxed{7}"), ("12+30", "\\boxed{42}"), ("0+0", "\\boxed{1}")]
+    ]
+    try:
+        assert logprob_gap(engine, learner, probe) < 1e-4, "engine and learner disagree before training"
+
+        for _ in range(2):
+            batch = sampled_batch(engine, tokenizer, recipe, learner.version)
+            train_on(batch, learner, build_loss(recipe.loss), None, recipe)  # no engine: no push
+            stale = logprob_gap(engine, learner, probe)
+            # The check below is only meaningful if a missed push is visible to it.
+            assert stale > 1e-3, f"the update moved the probe's logprobs by only {stale:.2e}"
+
+            engine.push_weights(learner.hf_state_dict(), learner.version)
+            assert logprob_gap(engine, learner, probe) < 1e-4
+    finally:
+        engine.close()
