@@ -31,7 +31,7 @@ from m2po_cli.config import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLos
 
 Metrics = dict[str, Tensor]
 QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
-TOPK_FIRST = 4096  # the M2 rules first look at this many of the largest M2, then 4x as many, ...
+NUM_BINS = 1024  # the M2 rules bin the trust-region M2 above tau into this many bins (by log z)
 
 
 class MissingBehaviourLogprobs(ValueError):
@@ -193,8 +193,8 @@ class TrustRegionM2(NamedTuple):
     """The trust-region M2 of a batch, reduced over ranks: what both M2 rules need.
 
     Only tokens with M2 > tau are ever masked or decide the cap, so only the trust-region tokens
-    with z > `floor` (just below sqrt(tau)) are gathered; the rule then reads only the largest of
-    them (`_largest`). Everything else enters through the count and the M2 sum.
+    with z > `floor` (just below sqrt(tau)) are gathered and searched (`_search`). Everything else
+    enters through the count and the M2 sum.
     """
 
     top_N: Tensor  # z of the trust-region tokens with z > floor (float32, unordered, all ranks)
@@ -212,28 +212,56 @@ def trust_region_m2(z_BT: Tensor, tau: float, group: dist.ProcessGroup | None = 
     return TrustRegionM2(_gather(z_BT[z_BT > floor], group), num, m2_sum, floor)
 
 
-def _largest(tr: TrustRegionM2, stop) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Search the largest trust-region M2 for a rule's stopping index: top-k, k = TOPK_FIRST, 4k, ...
+def _search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The first position, in the descending order of the top values, where a rule may stop.
 
-    `stop(m2_K, prefix_K1, complete)` gets the M2 of the K largest tokens (descending), prefix_K1[i]
-    = the sum of the i largest (i = 0..K), and whether these are all of `top_N`; it returns a bool
-    per i = 0..K, True where the rule may stop. Each round is one top-k of the gathered values and
-    one host sync, never a loop over tokens. Returns (z_K, m2_K, prefix_K1, stop_K1).
+    Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, prefix_P, m2_P,
+    between_P)` gets, for some positions, the sum of the i largest M2, the M2 of the i-th value (the
+    largest one left; `below` past the last top value) and whether values i - 1 and i differ, and
+    says where the rule may stop; it must hold from some position on, as both rules' conditions do.
+    The top values are binned by log z into NUM_BINS bins; the rule is first tried at the bin
+    boundaries (all positions at once), then inside the one bin where it starts to hold, whose
+    values alone are sorted. No loop over tokens, and no sort of the whole batch.
+
+    Returns the position i, the z at i (`below` past the last top value), the sum of the i largest
+    M2, and the M2 at i.
     """
-    n_top, k = tr.top_N.numel(), TOPK_FIRST
-    while True:
-        complete = k >= n_top
-        z_K = torch.topk(tr.top_N, min(k + 1, n_top)).values  # one more: is there a cut after k?
-        m2_K = z_K.double().square()
-        prefix_K1 = torch.cat([m2_K.new_zeros(1), m2_K.cumsum(0)])
-        stop_K1 = stop(m2_K, prefix_K1, complete)
-        if complete or bool(stop_K1.any()):
-            return z_K, m2_K, prefix_K1, stop_K1
-        k *= 4
+    top_N, n_top = tr.top_N, tr.top_N.numel()
+    below64 = below.double().reshape(1)
+    if n_top == 0:
+        zero = below64.new_zeros(())
+        return zero.long(), below, zero, below64[0].square()
+    num_bins = min(NUM_BINS, n_top)
+    log_floor = math.log(tr.floor)
+    scale = num_bins / (top_N.max().log() - log_floor).clamp(min=1e-6)
+    bin_N = ((top_N.log() - log_floor) * scale).clamp(0, num_bins - 1).long()  # monotone in z
+    m2_N = top_N.double().square()
+    count_Q = torch.bincount(bin_N, minlength=num_bins).flip(0).cumsum(0).flip(0)  # values in bins >= q
+    sum_Q = torch.bincount(bin_N, weights=m2_N, minlength=num_bins).flip(0).cumsum(0).flip(0)
+    max_Q = top_N.new_full((num_bins,), -math.inf).scatter_reduce(0, bin_N, top_N, "amax")
+    # The largest z below boundary q: in the bins under q, else `below`.
+    next_Q = torch.cat([below.reshape(1), max_Q.cummax(0).values[:-1]]).maximum(below)
+    cut_Q = torch.ones(num_bins, dtype=torch.bool, device=top_N.device)
+    stop_Q = stop(count_Q.double(), sum_Q, next_Q.double().square(), cut_Q)
+    q = torch.where(stop_Q, torch.arange(num_bins, device=top_N.device), 0).max()  # the highest boundary
+    # Inside bin q: its values sorted, after those of the bins above.
+    start = torch.cat([count_Q, count_Q.new_zeros(1)])[q + 1]
+    offset = torch.cat([sum_Q, sum_Q.new_zeros(1)])[q + 1]
+    z_K = torch.sort(top_N[bin_N == q], descending=True).values
+    z_K1 = torch.cat([z_K, next_Q[q].reshape(1)])
+    m2_K1 = z_K1.double().square()
+    prefix_K1 = offset + torch.cat([m2_K1.new_zeros(1), m2_K1[:-1].cumsum(0)])
+    between_K1 = torch.ones_like(m2_K1, dtype=torch.bool)
+    between_K1[1:-1] = m2_K1[:-2] > m2_K1[1:-1]
+    position_K1 = start + torch.arange(z_K1.numel(), device=top_N.device)
+    stop_K1 = stop(position_K1.double(), prefix_K1, m2_K1, between_K1)
+    stop_K1[-1] = True  # the boundary below bin q, where the rule holds
+    j = torch.argmax(stop_K1.to(torch.uint8))  # the first position where it holds
+    return position_K1[j], z_K1[j], prefix_K1[j], m2_K1[j]
 
 
 def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Algorithm 1 of the paper, vectorised: a top-k and a prefix sum over the trust-region M2.
+    """Algorithm 1 of the paper, vectorised: binned prefix sums over the trust-region M2.
 
     While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. After
     the i largest left, the mean is (sum - prefix[i]) / (|T| - i), so the loop stops at the first i
@@ -241,31 +269,28 @@ def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Ten
     reached: the mean cannot exceed the largest value left.
     Tie rule: tokens of equal M2 leave together. The paper takes "the token with the largest M2"
     one at a time and leaves open which of equal ones goes first; leaving together makes the mask a
-    function of the values alone, so it cannot depend on how the batch is split or ordered. It masks
-    more than one-at-a-time only when equal values straddle the stopping point (M2 = [1, 1] and 98
-    tokens of 1e-4, tau = 0.015: one at a time masks one of the 1s, we mask both); both stop with a
-    mean <= tau.
-    So i may only fall between distinct values.
+    function of the values alone, so it cannot depend on how the batch is split or ordered (up to
+    the rounding of the float64 M2 sums, accumulated in an order that does: it could only matter for
+    a mean within ~1e-15 of tau). It masks more than one-at-a-time only when equal values straddle
+    the stopping point (M2 = [1, 1] and 98 tokens of 1e-4, tau = 0.015: one at a time masks one of
+    the 1s, we mask both); both stop with a mean <= tau. So i may only fall between distinct values.
 
     Returns (threshold, num_masked, m2_before, m2_after): a token is masked iff its z > threshold;
     the mean M2 over T before and after masking (float64; 0 over an empty set).
     """
 
-    def mean_left(prefix_K1: Tensor) -> Tensor:  # mean M2 after the i largest left, i = 0..K
-        kept_K1 = tr.num - torch.arange(prefix_K1.numel(), device=prefix_K1.device)
-        return torch.where(kept_K1 > 0, (tr.m2_sum - prefix_K1) / kept_K1, 0.0)
+    def mean_left(position_P: Tensor, prefix_P: Tensor) -> Tensor:
+        kept_P = tr.num - position_P
+        return torch.where(kept_P > 0, (tr.m2_sum - prefix_P) / kept_P.clamp(min=1), 0.0)
 
-    def stop(m2_K: Tensor, prefix_K1: Tensor, complete: bool) -> Tensor:
-        between_K1 = torch.ones_like(prefix_K1, dtype=torch.bool)
-        between_K1[1:-1] = m2_K[:-1] > m2_K[1:]
-        between_K1[-1] = complete  # past the last top value come only M2 < tau: a cut
-        return between_K1 & (mean_left(prefix_K1) <= tau)
+    def stop(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
+        return between_P & (mean_left(position_P, prefix_P) <= tau)
 
-    z_K, _, prefix_K1, stop_K1 = _largest(tr, stop)
-    i = torch.argmax(stop_K1.to(torch.uint8))  # the first stop: mask the i largest
-    mean_K1 = mean_left(prefix_K1)
-    threshold = torch.cat([z_K, z_K.new_full((1,), tr.floor)])[i]  # z_K[i], or every top value
-    return threshold, i, mean_K1[0], mean_K1[i]
+    # Past the last top value, any z in (largest rest, floor] masks exactly the top values.
+    below = tr.top_N.new_full((), tr.floor)
+    position, threshold, prefix, _ = _search(tr, stop, below)
+    zero = position.new_zeros((), dtype=torch.float64)
+    return threshold, position, mean_left(zero, zero), mean_left(position.double(), prefix)
 
 
 def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -276,30 +301,25 @@ def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tenso
     (1/|T|) sum_i min(M2_i, M2_(k)) reaches tau, and c^2 = M2_(k-1) (c = 0 if k = 0): the largest
     M2 whose capped mean stays below tau. The code subtracts 1e-12 from c^2, so tokens with |log r|
     equal to c are clipped too; we keep that and drop its other 1e-12 slacks. `max_rest`: the
-    largest z of the trust-region tokens not in `tr.top_N` (0 if none), the cap if no top value is.
+    largest z of the trust-region tokens not in `tr.top_N` (0 if none).
 
     Returns (cap, m2_before, m2_after): trust-region tokens with z >= cap are clipped; the mean M2
     over T before, and after capping (float64; 0 over an empty set).
     """
-    n = tr.num
-    m2_before = torch.where(n > 0, tr.m2_sum / n, 0.0)
-    rest_m2 = max_rest.double().square().reshape(1)
+    n = tr.num.clamp(min=1)
+    m2_before = tr.m2_sum / n
 
-    def stop(m2_K: Tensor, prefix_K1: Tensor, complete: bool) -> Tensor:
+    def capped_mean(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor) -> Tensor:
+        return (position_P * m2_P + tr.m2_sum - prefix_P) / n  # the i largest capped at value i
+
+    def stop(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
         # Descending, the cap is the first value whose capped mean is below tau.
-        rank_K1 = torch.arange(prefix_K1.numel(), device=m2_K.device)
-        below_K1 = (rank_K1 * torch.cat([m2_K, rest_m2]) + tr.m2_sum - prefix_K1) / n < tau
-        below_K1[-1] = complete  # capped at max_rest, the mean is below tau
-        return below_K1
+        return capped_mean(position_P, prefix_P, m2_P) < tau
 
-    if tr.top_N.numel() == 0:  # every M2 < tau: within budget
-        return max_rest.new_full((), math.inf), m2_before, m2_before
-    z_K, m2_K, prefix_K1, below_K1 = _largest(tr, stop)
-    j = torch.argmax(below_K1.to(torch.uint8))
-    cap = torch.cat([z_K, max_rest.reshape(1)])[j]
-    m2_after = (j * torch.cat([m2_K, rest_m2])[j] + tr.m2_sum - prefix_K1[j]) / n
+    position, cap, prefix, m2 = _search(tr, stop, max_rest)
     over = m2_before > tau
-    return torch.where(over, cap, math.inf), m2_before, torch.where(over, m2_after, m2_before)
+    m2_after = torch.where(over, capped_mean(position.double(), prefix, m2), m2_before)
+    return torch.where(over, cap, math.inf), m2_before, m2_after
 
 
 def _max_rest(z_BT: Tensor, floor: float, group: dist.ProcessGroup | None) -> Tensor:

@@ -52,12 +52,18 @@ def _cpu_env() -> None:
 
 
 class VLLMEngine:
-    """An in-process `vllm.LLM` whose engine core runs in a spawned process."""
+    """A `vllm.LLM`, its engine core in this process (`in_process`) or in a spawned one.
 
-    def __init__(self, model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int):
+    In-process, requests reach the scheduler all at once, so a seed fixes the samples; that needs
+    this process's torch.distributed world to be the engine's (one rank). Under torchrun the engine
+    core runs in its own process, and batch composition (hence sampling) may depend on timing.
+    """
+
+    def __init__(self, model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, in_process: bool):
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             _cpu_env()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         from vllm import LLM
 
         self.cfg = cfg

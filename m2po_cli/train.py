@@ -37,7 +37,9 @@ def train(recipe: Recipe) -> Path:
     engine = grader = log = None
     if rank == 0:
         log = RunLog(run_dir, recipe, learner.world)
-        engine = VLLMEngine(model_dir, recipe.rollout, _dtype(recipe), _max_len(recipe))
+        engine = VLLMEngine(
+            model_dir, recipe.rollout, _dtype(recipe), _max_len(recipe), in_process=learner.world == 1
+        )
         grader = Grader()
     tokenizer = _tokenizer(model_dir)
     prompts = PromptBatches(load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step)

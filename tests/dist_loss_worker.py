@@ -95,11 +95,11 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cases = []
-    for topk_first in (4096, 1):  # 1: the top-k search takes several rounds
-        with mock.patch.object(loss_module, "TOPK_FIRST", topk_first):
-            cases.append(compare(f"m2po topk{topk_first}", M2POLoss(), rank))
-            cases.append(compare(f"m2po tau=0.01 topk{topk_first}", M2POLoss(tau=0.01), rank))
-            cases.append(compare(f"m2po_cap global topk{topk_first}", M2POCapLoss(scope="global"), rank))
+    for num_bins in (1024, 1):  # 1: one bin, the search sorts every value above sqrt(tau)
+        with mock.patch.object(loss_module, "NUM_BINS", num_bins):
+            cases.append(compare(f"m2po bins{num_bins}", M2POLoss(), rank))
+            cases.append(compare(f"m2po tau=0.01 bins{num_bins}", M2POLoss(tau=0.01), rank))
+            cases.append(compare(f"m2po_cap global bins{num_bins}", M2POCapLoss(scope="global"), rank))
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": cases}, indent=1))
     dist.destroy_process_group()
     return 0 if all(all(case["checks"].values()) for case in cases) else 1

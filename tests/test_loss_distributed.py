@@ -29,7 +29,7 @@ def test_two_ranks_match_one_process_holding_the_whole_batch(tmp_path):
         for case in report["cases"]:
             assert all(case["checks"].values()), (report["rank"], case)
     assert done.returncode == 0, done.stdout + done.stderr
-    m2po = next(case for case in reports[0]["cases"] if case["name"] == "m2po topk4096")
+    m2po = next(case for case in reports[0]["cases"] if case["name"] == "m2po bins1024")
     # The batch exercises the mask: some trust-region tokens masked, not all.
     assert 0 < m2po["prepared"]["m2po/num_masked"] < m2po["prepared"]["m2po/num_trust_region"]
     assert reports[0]["cases"] == reports[1]["cases"]  # the global metrics agree on both ranks

@@ -66,7 +66,7 @@ def test_push_makes_engine_match_learner(model, tmp_path):
     )
     model_dir = resolve_model(model)
     learner = Learner(model_dir, recipe)
-    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)
+    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64, in_process=True)
     tokenizer = engine.tokenizer
     probe = [
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
