@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
+from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.titan import ModelArch, load_arch
 
 
@@ -169,7 +170,7 @@ class Learner:
             ents.append(torch.nn.functional.pad(ent, (0, batch.tokens_BL.shape[1] - ent.shape[1])))
         return torch.cat(lps).cpu(), torch.cat(ents).cpu()
 
-    def update(self, batch: Batch, loss_fn, num_tokens: int) -> dict[str, float]:
+    def update(self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int) -> dict[str, float]:
         """One optimizer update on this rank's rows; `num_tokens` counts the whole global batch."""
         mb = self.recipe.train.micro_batch_sequences
         metrics: dict[str, torch.Tensor] = {}
@@ -182,11 +183,13 @@ class Learner:
             )
             metrics.update(global_metrics)
         additive: dict[str, torch.Tensor] = {}
+        seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
         for start in range(0, batch.num_rows, mb):
             stop = min(start + mb, batch.num_rows)
             part = batch.rows(start, stop)
             lp, _ = self.forward_logprobs(part)
             length = part.tokens_BL.shape[1]
+            seen_log_ratio_BL[start:stop, :length] = (lp.detach().cpu() - part.behaviour_logprobs_BL) * part.mask_BL
             aux = aux_BL[start:stop, :length].to(self.device) if aux_BL is not None else None
             loss, m = loss_fn(
                 lp,
@@ -197,6 +200,7 @@ class Learner:
                 num_tokens,
             )
             loss.backward()
+            m = {**m, "loss/loss": loss}  # additive: each micro-batch's share of the token-mean
             for k, v in m.items():
                 additive[k] = additive.get(k, 0) + v.detach().float().cpu()
         grad_norm = self._clip()
@@ -206,6 +210,7 @@ class Learner:
         self.version += 1
         for k, v in _all_reduce_sum(additive).items():
             metrics[k] = v
+        metrics.update(ratio_quantiles(seen_log_ratio_BL, batch.mask_BL, group=dist.group.WORLD))
         out = {k: float(v) for k, v in metrics.items()}
         out["optim/grad_norm"] = grad_norm
         out["optim/lr"] = self.scheduler.get_last_lr()[0]

@@ -193,78 +193,85 @@ class TrustRegionM2(NamedTuple):
     """The trust-region M2 of a batch, reduced over ranks: what both M2 rules need.
 
     Only tokens with M2 > tau are ever masked or decide the cap, so only the trust-region tokens
-    with z > `floor` (just below sqrt(tau)) are gathered and searched (`_search`). Everything else
-    enters through the count and the M2 sum.
+    with z > `floor` (just below sqrt(tau)) are gathered and searched (`_search`); the others, the
+    rest, enter through their count and M2 sum.
     """
 
     top_N: Tensor  # z of the trust-region tokens with z > floor (float32, unordered, all ranks)
-    num: Tensor  # number of trust-region tokens (float64)
-    m2_sum: Tensor  # sum of their M2 = z^2 (float64; the squares are exact)
+    num_rest: Tensor  # number of the other trust-region tokens, 0 < z <= floor (float64)
+    m2_rest: Tensor  # their sum of M2 = z^2 (float64; the squares are exact)
     floor: float  # < sqrt(tau)
+
+    @property
+    def num(self) -> Tensor:
+        return self.num_rest + self.top_N.numel()
+
+    @property
+    def m2_mean(self) -> Tensor:
+        """Mean M2 over the trust region (0 if empty)."""
+        return (self.m2_rest + self.top_N.double().square().sum()) / self.num.clamp(min=1)
 
 
 def trust_region_m2(z_BT: Tensor, tau: float, group: dist.ProcessGroup | None = None) -> TrustRegionM2:
     """Summarise z = log r * sign(A) (float32, 0 on padding; see `toward_advantage`) over the batch."""
     floor = float(torch.tensor(math.sqrt(tau), dtype=torch.float32)) * (1 - 2**-10)
-    positive_N = z_BT.clamp(min=0).view(-1).double()
-    stats = torch.stack([torch.count_nonzero(positive_N).double(), torch.dot(positive_N, positive_N)])
-    num, m2_sum = _all_reduce(stats, dist.ReduceOp.SUM, group)
-    return TrustRegionM2(_gather(z_BT[z_BT > floor], group), num, m2_sum, floor)
+    top_BT = z_BT > floor
+    rest_N = z_BT.clamp(min=0).masked_fill_(top_BT, 0.0).reshape(-1).double()
+    stats = torch.stack([torch.count_nonzero(rest_N).double(), torch.dot(rest_N, rest_N)])
+    num_rest, m2_rest = _all_reduce(stats, dist.ReduceOp.SUM, group)
+    return TrustRegionM2(_gather(z_BT[top_BT], group), num_rest, m2_rest, floor)
 
 
 def _search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The first position, in the descending order of the top values, where a rule may stop.
 
-    Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, prefix_P, m2_P,
-    between_P)` gets, for some positions, the sum of the i largest M2, the M2 of the i-th value (the
-    largest one left; `below` past the last top value) and whether values i - 1 and i differ, and
-    says where the rule may stop; it must hold from some position on, as both rules' conditions do.
-    The top values are binned by log z into NUM_BINS bins; the rule is first tried at the bin
-    boundaries (all positions at once), then inside the one bin where it starts to hold, whose
-    values alone are sorted. No loop over tokens, and no sort of the whole batch.
+    Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, left_P, m2_P,
+    between_P)` gets, for some positions, the M2 sum of the tokens left (the rest included), the M2
+    of the i-th value (the largest one left; `below` past the last top value) and whether values
+    i - 1 and i differ, and says where the rule may stop; it must hold from some position on, as
+    both rules' conditions do. The top values are binned by log z into NUM_BINS bins; the rule is
+    first tried at the bin boundaries (all at once), then inside the one bin where it starts to
+    hold, whose values alone are sorted. No loop over tokens, and no sort of the whole batch. Sums
+    run from the small values up, so nothing cancels.
 
-    Returns the position i, the z at i (`below` past the last top value), the sum of the i largest
-    M2, and the M2 at i.
+    Returns the position i, the z at i, the M2 sum left at i, and the M2 at i.
     """
     top_N, n_top = tr.top_N, tr.top_N.numel()
-    below64 = below.double().reshape(1)
     if n_top == 0:
-        zero = below64.new_zeros(())
-        return zero.long(), below, zero, below64[0].square()
+        return tr.num_rest.new_zeros((), dtype=torch.long), below, tr.m2_rest, below.double().square()
     num_bins = min(NUM_BINS, n_top)
     log_floor = math.log(tr.floor)
     scale = num_bins / (top_N.max().log() - log_floor).clamp(min=1e-6)
     bin_N = ((top_N.log() - log_floor) * scale).clamp(0, num_bins - 1).long()  # monotone in z
     m2_N = top_N.double().square()
-    count_Q = torch.bincount(bin_N, minlength=num_bins).flip(0).cumsum(0).flip(0)  # values in bins >= q
-    sum_Q = torch.bincount(bin_N, weights=m2_N, minlength=num_bins).flip(0).cumsum(0).flip(0)
-    max_Q = top_N.new_full((num_bins,), -math.inf).scatter_reduce(0, bin_N, top_N, "amax")
+    count_B = torch.bincount(bin_N, minlength=num_bins)
+    position_Q = n_top - (count_B.cumsum(0) - count_B)  # boundary q: the values in bins >= q left
+    left_Q = tr.m2_rest + torch.bincount(bin_N, weights=m2_N, minlength=num_bins).cumsum(0)
+    left_Q = torch.cat([tr.m2_rest.reshape(1), left_Q[:-1]])  # M2 in bins < q, and the rest
+    max_B = top_N.new_full((num_bins,), -math.inf).scatter_reduce(0, bin_N, top_N, "amax")
     # The largest z below boundary q: in the bins under q, else `below`.
-    next_Q = torch.cat([below.reshape(1), max_Q.cummax(0).values[:-1]]).maximum(below)
+    next_Q = torch.cat([below.reshape(1), max_B.cummax(0).values[:-1]]).maximum(below)
     cut_Q = torch.ones(num_bins, dtype=torch.bool, device=top_N.device)
-    stop_Q = stop(count_Q.double(), sum_Q, next_Q.double().square(), cut_Q)
+    stop_Q = stop(position_Q.double(), left_Q, next_Q.double().square(), cut_Q)
     q = torch.where(stop_Q, torch.arange(num_bins, device=top_N.device), 0).max()  # the highest boundary
-    # Inside bin q: its values sorted, after those of the bins above.
-    start = torch.cat([count_Q, count_Q.new_zeros(1)])[q + 1]
-    offset = torch.cat([sum_Q, sum_Q.new_zeros(1)])[q + 1]
-    z_K = torch.sort(top_N[bin_N == q], descending=True).values
-    z_K1 = torch.cat([z_K, next_Q[q].reshape(1)])
+    # Inside bin q: its values sorted, then the largest value below it.
+    z_K1 = torch.cat([torch.sort(top_N[bin_N == q], descending=True).values, next_Q[q].reshape(1)])
     m2_K1 = z_K1.double().square()
-    prefix_K1 = offset + torch.cat([m2_K1.new_zeros(1), m2_K1[:-1].cumsum(0)])
+    left_K1 = left_Q[q] + torch.cat([m2_K1[:-1].flip(0).cumsum(0).flip(0), m2_K1.new_zeros(1)])
     between_K1 = torch.ones_like(m2_K1, dtype=torch.bool)
     between_K1[1:-1] = m2_K1[:-2] > m2_K1[1:-1]
-    position_K1 = start + torch.arange(z_K1.numel(), device=top_N.device)
-    stop_K1 = stop(position_K1.double(), prefix_K1, m2_K1, between_K1)
+    position_K1 = position_Q[q] - count_B[q] + torch.arange(z_K1.numel(), device=top_N.device)
+    stop_K1 = stop(position_K1.double(), left_K1, m2_K1, between_K1)
     stop_K1[-1] = True  # the boundary below bin q, where the rule holds
     j = torch.argmax(stop_K1.to(torch.uint8))  # the first position where it holds
-    return position_K1[j], z_K1[j], prefix_K1[j], m2_K1[j]
+    return position_K1[j], z_K1[j], left_K1[j], m2_K1[j]
 
 
 def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Algorithm 1 of the paper, vectorised: binned prefix sums over the trust-region M2.
+    """Algorithm 1 of the paper, vectorised: binned sums over the trust-region M2.
 
     While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. After
-    the i largest left, the mean is (sum - prefix[i]) / (|T| - i), so the loop stops at the first i
+    the i largest left, the mean is (M2 sum left) / (|T| - i), so the loop stops at the first i
     whose mean is <= tau (i = |T|, everything masked, if none is). Tokens with M2 <= tau are never
     reached: the mean cannot exceed the largest value left.
     Tie rule: tokens of equal M2 leave together. The paper takes "the token with the largest M2"
@@ -279,18 +286,17 @@ def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Ten
     the mean M2 over T before and after masking (float64; 0 over an empty set).
     """
 
-    def mean_left(position_P: Tensor, prefix_P: Tensor) -> Tensor:
+    def mean_left(position_P: Tensor, left_P: Tensor) -> Tensor:
         kept_P = tr.num - position_P
-        return torch.where(kept_P > 0, (tr.m2_sum - prefix_P) / kept_P.clamp(min=1), 0.0)
+        return torch.where(kept_P > 0, left_P / kept_P.clamp(min=1), 0.0)
 
-    def stop(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
-        return between_P & (mean_left(position_P, prefix_P) <= tau)
+    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
+        return between_P & (mean_left(position_P, left_P) <= tau)
 
-    # Past the last top value, any z in (largest rest, floor] masks exactly the top values.
+    # Past the last top value, any z in [largest rest, floor] masks exactly the top values.
     below = tr.top_N.new_full((), tr.floor)
-    position, threshold, prefix, _ = _search(tr, stop, below)
-    zero = position.new_zeros((), dtype=torch.float64)
-    return threshold, position, mean_left(zero, zero), mean_left(position.double(), prefix)
+    position, threshold, left, _ = _search(tr, stop, below)
+    return threshold, position, tr.m2_mean, mean_left(position.double(), left)
 
 
 def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -307,18 +313,18 @@ def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tenso
     over T before, and after capping (float64; 0 over an empty set).
     """
     n = tr.num.clamp(min=1)
-    m2_before = tr.m2_sum / n
 
-    def capped_mean(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor) -> Tensor:
-        return (position_P * m2_P + tr.m2_sum - prefix_P) / n  # the i largest capped at value i
+    def capped_mean(position_P: Tensor, left_P: Tensor, m2_P: Tensor) -> Tensor:
+        return (position_P * m2_P + left_P) / n  # the i largest capped at the value at i
 
-    def stop(position_P: Tensor, prefix_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
+    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
         # Descending, the cap is the first value whose capped mean is below tau.
-        return capped_mean(position_P, prefix_P, m2_P) < tau
+        return capped_mean(position_P, left_P, m2_P) < tau
 
-    position, cap, prefix, m2 = _search(tr, stop, max_rest)
+    position, cap, left, m2 = _search(tr, stop, max_rest)
+    m2_before = tr.m2_mean
     over = m2_before > tau
-    m2_after = torch.where(over, capped_mean(position.double(), prefix, m2), m2_before)
+    m2_after = torch.where(over, capped_mean(position.double(), left, m2), m2_before)
     return torch.where(over, cap, math.inf), m2_before, m2_after
 
 

@@ -64,6 +64,7 @@ class WarmStart:
     lr: float = 3e-3
     seed: int = 0
     echo_problem: bool = False
+    correct_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +278,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     for _ in range(ws.steps):
         operands_BO = torch.randint(0, ws.max_operand + 1, (ws.batch_size, ws.num_operands), generator=gen)
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
+        correct_B = torch.rand(ws.batch_size, generator=gen) < ws.correct_fraction
+        guesses_B = torch.where(correct_B, operands_BO.sum(1), guesses_B)
         input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), guesses_B.tolist(), ws.echo_problem)
         loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)

@@ -155,11 +155,13 @@ def train_on(
         rows = range(u * per_update, (u + 1) * per_update)
         mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()
         num_tokens = sum(len(batch.responses[i]) for i in rows)
+        rows_batch = to_batch(batch, mine, advantages)
         t0 = time.perf_counter()
-        m = learner.update(to_batch(batch, mine, advantages), loss_fn, num_tokens)
+        m = learner.update(rows_batch, loss_fn, num_tokens)
         t1 = time.perf_counter()
         sync_weights(learner, engine)
         m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
+        m["perf/learner_tokens_per_s"] = float(rows_batch.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version

@@ -154,8 +154,7 @@ def test_m2po_matches_algorithm1(batch, num_bins):
         )
     x, a, v = log_ratio.tolist(), advantages.tolist(), valid.tolist()
     masked, before, after = algorithm1(x, a, v, tau)
-    got = {(b, t) for b, t in zip(*torch.nonzero(valid & ~keep, as_tuple=True), strict=True)}
-    assert {(int(b), int(t)) for b, t in got} == masked
+    assert {tuple(index) for index in torch.nonzero(valid & ~keep).tolist()} == masked
     assert int(prepared["m2po/num_masked"]) == len(masked)
     assert math.isclose(float(prepared["m2po/m2_before"]), before, rel_tol=1e-9, abs_tol=1e-300)
     assert math.isclose(float(prepared["m2po/m2_after"]), after, rel_tol=1e-9, abs_tol=1e-300)
@@ -424,6 +423,16 @@ def test_released_micro_batch_scope_does_depend_on_micro_batches():
 
 
 # --- wiring ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", ALL_LOSSES, ids=lambda c: c.type)
+def test_a_float_mask_works_like_a_bool_mask(cfg):
+    log_ratio, advantages, valid, behaviour = heavy_batch(seed=8)
+    loss, grad, metrics, _ = run_micro_batches(cfg, log_ratio, advantages, valid, behaviour, [12])
+    loss_f, grad_f, metrics_f, _ = run_micro_batches(
+        cfg, log_ratio, advantages, valid.float(), behaviour, [12]
+    )
+    assert loss == loss_f and torch.equal(grad, grad_f) and metrics == metrics_f
 
 
 @pytest.mark.parametrize("cfg", ALL_LOSSES, ids=lambda c: c.type)
