@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 STEP_PREFIX = "step-"
 
@@ -24,7 +25,9 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 def latest(run_dir: Path) -> Path | None:
     root = run_dir / "checkpoints"
-    done = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / "COMPLETE").exists()) if root.exists() else []
+    done = (
+        sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / "COMPLETE").exists()) if root.exists() else []
+    )
     return done[-1] if done else None
 
 
@@ -52,3 +55,10 @@ def load(path: Path, learner) -> dict:
     learner.load_extra_state(loop["learner"])
     torch.set_rng_state(loop["rng"])
     return loop
+
+
+def load_model(path: Path, learner) -> None:
+    """Restore only the learner's model weights from a saved step (no optimizer state, no loop state)."""
+    state = {"model": get_model_state_dict(learner.model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(learner.model, state["model"])

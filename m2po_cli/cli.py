@@ -17,7 +17,9 @@ def main() -> None:
 
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe key (repeatable).")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe key (repeatable)."
+)
 @click.option("--dry-run", is_flag=True, help="Print the fully resolved recipe and exit.")
 def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Train with a TOML RECIPE (run under torchrun for several processes)."""
@@ -35,6 +37,63 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
         run_training(resolved)
     except DataError as e:
         _fail(str(e))
+
+
+@main.command(name="eval")
+@click.argument("checkpoints", nargs=-1, required=True, metavar="CKPT...")
+@click.option(
+    "--all-checkpoints", is_flag=True, help="For a run directory: every saved step, not its export."
+)
+@click.option("--benchmarks", metavar="NAME,...", help="Comma-separated subset of evals/benchmarks.toml.")
+@click.option("--limit", type=click.IntRange(min=1), help="Evaluate the first N problems of each benchmark.")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    help="Read each benchmark's JSONL file from DIR (default: its hub dataset).",
+)
+@click.option("--out", default="eval-results", show_default=True, type=click.Path(file_okay=False))
+@click.option(
+    "--protocol", type=click.Path(dir_okay=False), help="Eval TOML overriding the paper's protocol."
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Override an eval key, e.g. protocol.samples=1.",
+)
+def eval_(
+    checkpoints: tuple[str, ...],
+    all_checkpoints: bool,
+    benchmarks: str | None,
+    limit: int | None,
+    data_dir: str | None,
+    out: str,
+    protocol: str | None,
+    overrides: tuple[str, ...],
+) -> None:
+    """Score checkpoints on the paper's eight math benchmarks (an HF model, a run, or a saved step)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from m2po_cli.data import DataError
+    from m2po_cli.eval_config import load_benchmarks, load_eval_config
+    from m2po_cli.eval_data import load_problems
+    from m2po_cli.eval_targets import TargetError, resolve_targets
+
+    try:
+        cfg = load_eval_config(protocol, list(overrides))
+        names = [n.strip() for n in benchmarks.split(",") if n.strip()] if benchmarks else None
+        specs = load_benchmarks(names)
+        targets = resolve_targets(list(checkpoints), all_checkpoints)
+        data = Path(data_dir) if data_dir else None
+        problems = {spec.name: load_problems(spec, data) for spec in specs}
+    except (ConfigError, DataError, TargetError) as e:
+        _fail(str(e))
+    from m2po_cli.evaluate import run
+
+    run(targets, specs, problems, cfg, Path(out), limit, Console(stderr=True))
 
 
 def _fail(message: str) -> None:

@@ -56,7 +56,8 @@ class ModelConfig(Table):
         f"({', '.join(BUILTIN_MODELS)}) built offline and cached.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = field(
-        "auto", "Parameter dtype for rollouts and the learner's mixed precision; auto is float32 on CPU, bfloat16 on GPU."
+        "auto",
+        "Parameter dtype for rollouts and the learner's mixed precision; auto is float32 on CPU, bfloat16 on GPU.",
     )
 
     @model_validator(mode="after")
@@ -69,7 +70,9 @@ class ModelConfig(Table):
             if not Path(p).expanduser().is_dir():
                 raise ValueError(f"path: model directory not found: {p}")
         elif not HUB_ID.match(p):
-            raise ValueError(f"path: {p!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+            raise ValueError(
+                f"path: {p!r} is neither an existing directory, a hub id (org/name) nor a builtin"
+            )
         return self
 
 
@@ -90,7 +93,9 @@ class DataConfig(Table):
         PAPER_PROMPT_TEMPLATE, "User-turn template; `{problem}` is replaced by the problem text."
     )
     shuffle_seed: int = field(42, "Seed of the one-off shuffle of the prompt set.", ge=0)
-    max_prompt_tokens: int = field(1536, "Prompts longer than this (after the chat template) are dropped.", ge=1)
+    max_prompt_tokens: int = field(
+        1536, "Prompts longer than this (after the chat template) are dropped.", ge=1
+    )
     synthetic: SyntheticConfig = field(SyntheticConfig(), "Options of the synthetic arithmetic task.")
 
     @model_validator(mode="after")
@@ -98,12 +103,16 @@ class DataConfig(Table):
         s = self.source
         if s.startswith("synthetic:"):
             if s not in SYNTHETIC_SOURCES:
-                raise ValueError(f"source: unknown synthetic task {s!r}; choose one of {', '.join(SYNTHETIC_SOURCES)}")
+                raise ValueError(
+                    f"source: unknown synthetic task {s!r}; choose one of {', '.join(SYNTHETIC_SOURCES)}"
+                )
         elif s.endswith((".jsonl", ".json", ".parquet")):
             if not Path(s).expanduser().is_file():
                 raise ValueError(f"source: file not found: {s}")
         elif not HUB_ID.match(s):
-            raise ValueError(f"source: {s!r} is neither a .jsonl/.json/.parquet file, a hub id nor synthetic:arithmetic")
+            raise ValueError(
+                f"source: {s!r} is neither a .jsonl/.json/.parquet file, a hub id nor synthetic:arithmetic"
+            )
         if "{problem}" not in self.prompt_template:
             raise ValueError("prompt_template: must contain {problem}")
         return self
@@ -118,9 +127,13 @@ class RolloutConfig(Table):
     n: int = field(8, "Samples per prompt (the GRPO group size).", ge=1)
     max_new_tokens: int = field(2560, "Longest response, in tokens.", ge=1)
     temperature: float = field(1.0, "Sampling temperature; logprobs are taken at this temperature.", gt=0)
-    top_p: float = field(1.0, "Nucleus sampling; must stay 1.0 for training, or the importance ratio is biased.", gt=0, le=1)
+    top_p: float = field(
+        1.0, "Nucleus sampling; must stay 1.0 for training, or the importance ratio is biased.", gt=0, le=1
+    )
     kv_cache_gib: float = field(1.0, "KV cache size per engine on CPU, in GiB.", gt=0)
-    gpu_memory_utilization: float = field(0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1)
+    gpu_memory_utilization: float = field(
+        0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1
+    )
     enforce_eager: bool = field(True, "Skip CUDA-graph/compile capture: faster start, slower steady state.")
 
     @model_validator(mode="after")
@@ -137,36 +150,51 @@ class AlgorithmConfig(Table):
     advantage: Literal["grpo"] = field("grpo", "Advantage estimator: group-relative (GRPO).")
     normalize_std: bool = field(True, "Divide the group-centred reward by the group's std (+ eps).")
     std_eps: float = field(1e-6, "Added to the group std before dividing.", gt=0)
+    behaviour_logprobs: Literal["engine", "learner"] = field(
+        "engine",
+        "Behaviour logprobs of the importance ratio: the engine's at sampling time, or the learner's "
+        "recomputation at the version that generated the batch.",
+    )
 
 
 class GRPOLoss(Table):
     type: Literal["grpo"] = field("grpo", "PPO clipped surrogate (GRPO).")
     eps_low: float = field(0.2, "Lower clip: ratios below 1 - eps_low are clipped.", gt=0, lt=1)
     eps_high: float = field(0.2, "Upper clip: ratios above 1 + eps_high are clipped.", gt=0)
-    dual_clip: float | None = field(None, "Dual-clip bound c > 1 for negative advantages; unset disables it.", gt=1)
+    dual_clip: float | None = field(
+        None, "Dual-clip bound c > 1 for negative advantages; unset disables it.", gt=1
+    )
 
 
 class M2POLoss(Table):
-    type: Literal["m2po"] = field("m2po", "M2PO, the paper's Algorithm 1: second-moment masking over the global batch.")
+    type: Literal["m2po"] = field(
+        "m2po", "M2PO, the paper's Algorithm 1: second-moment masking over the global batch."
+    )
     tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
 
 
 class NoTRLoss(Table):
-    type: Literal["no_tr"] = field("no_tr", "Importance-weighted r * A with no trust region (the paper's GRPO no TR).")
+    type: Literal["no_tr"] = field(
+        "no_tr", "Importance-weighted r * A with no trust region (the paper's GRPO no TR)."
+    )
 
 
 class M2POCapLoss(Table):
     type: Literal["m2po_cap"] = field(
-        "m2po_cap", "The released code's rule: clip r to [e^-c, e^c], c the largest cap keeping M2 within tau."
+        "m2po_cap",
+        "The released code's rule: clip r to [e^-c, e^c], c the largest cap keeping M2 within tau.",
     )
     tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
     scope: Literal["micro_batch", "global"] = field(
-        "micro_batch", "Where the cap is computed: each micro-batch (as released) or the whole optimizer batch."
+        "micro_batch",
+        "Where the cap is computed: each micro-batch (as released) or the whole optimizer batch.",
     )
 
 
 class GSPOLoss(Table):
-    type: Literal["gspo"] = field("gspo", "GSPO: clipped sequence-level ratio (geometric mean of token ratios).")
+    type: Literal["gspo"] = field(
+        "gspo", "GSPO: clipped sequence-level ratio (geometric mean of token ratios)."
+    )
     eps_low: float = field(3e-4, "Lower clip: sequence ratios below 1 - eps_low are clipped.", gt=0, lt=1)
     eps_high: float = field(4e-4, "Upper clip: sequence ratios above 1 + eps_high are clipped.", gt=0)
 
@@ -201,22 +229,30 @@ class OptimConfig(Table):
 
 
 class StalenessConfig(Table):
-    mode: Literal["fixed"] = field("fixed", "fixed: every batch is trained exactly s updates after the policy that generated it.")
+    mode: Literal["fixed"] = field(
+        "fixed", "fixed: every batch is trained exactly s updates after the policy that generated it."
+    )
     s: int = field(0, "Staleness in optimizer updates; 0 is on-policy.", ge=0)
 
 
 class CheckpointConfig(Table):
     every: int = field(0, "Save a DCP checkpoint every this many steps; 0 saves only at the end.", ge=0)
     keep: int = field(2, "Checkpoints kept on disk (oldest removed first).", ge=1)
-    resume: Literal["auto", "never"] = field("auto", "auto: continue from the run directory's latest checkpoint.")
+    resume: Literal["auto", "never"] = field(
+        "auto", "auto: continue from the run directory's latest checkpoint."
+    )
     export_hf: bool = field(True, "Export the final policy as HF safetensors to `<run>/export`.")
 
 
 class LoggingConfig(Table):
     wandb: bool = field(False, "Log metrics to Weights & Biases.")
     wandb_project: str = field("m2po", "W&B project.")
-    wandb_mode: Literal["online", "offline"] = field("offline", "offline writes a local run folder; `wandb sync` uploads it.")
-    console: Literal["rich", "plain"] = field("rich", "rich: live progress display; plain: one line per step.")
+    wandb_mode: Literal["online", "offline"] = field(
+        "offline", "offline writes a local run folder; `wandb sync` uploads it."
+    )
+    console: Literal["rich", "plain"] = field(
+        "rich", "rich: live progress display; plain: one line per step."
+    )
 
 
 class Recipe(Table):

@@ -139,7 +139,9 @@ def _worker_main(conn: Connection) -> None:
     while True:
         try:
             pairs, timeout_s = conn.recv()
-        except EOFError:  # the parent closed the pipe or died
+        except (EOFError, ConnectionResetError):
+            # The parent closed the pipe or died; a reset when it closed with our "ready" unread
+            # (a pool that never got a sample to grade).
             return
         for pred, gold in pairs:
             conn.send(_grade_within(pred, gold, timeout_s))

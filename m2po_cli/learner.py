@@ -151,7 +151,9 @@ class Learner:
             return 1 - progress
         return 1.0
 
-    def forward_logprobs(self, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_logprobs(
+        self, batch: Batch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model(batch.tokens_BL.to(self.device))
         t = self.recipe.rollout.temperature
         lp = token_logprobs(logits, batch.tokens_BL.to(self.device), t)
@@ -189,7 +191,9 @@ class Learner:
             part = batch.rows(start, stop)
             lp, _ = self.forward_logprobs(part)
             length = part.tokens_BL.shape[1]
-            seen_log_ratio_BL[start:stop, :length] = (lp.detach().cpu() - part.behaviour_logprobs_BL) * part.mask_BL
+            seen_log_ratio_BL[start:stop, :length] = (
+                lp.detach().cpu() - part.behaviour_logprobs_BL
+            ) * part.mask_BL
             aux = aux_BL[start:stop, :length].to(self.device) if aux_BL is not None else None
             loss, m = loss_fn(
                 lp,
@@ -228,7 +232,9 @@ class Learner:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights under HF names; a collective: every rank must call it."""
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return self.arch.adapter.to_hf(full)
 
     def export_hf(self, out_dir: Path, model_dir: Path) -> None:

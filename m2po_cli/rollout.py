@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import save
 
 from m2po_cli.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,47 @@ def _cpu_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def build_llm(
+    model_dir: Path,
+    *,
+    dtype: str,
+    max_model_len: int,
+    in_process: bool,
+    kv_cache_gib: float,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    **engine_args: Any,
+) -> LLM:
+    """A `vllm.LLM` with this project's CPU/GPU settings; rollouts and `m2po eval` both build theirs here.
+
+    `kv_cache_gib` sizes the KV cache on CPU, `gpu_memory_utilization` on GPU. The workers carry
+    `vllm_worker.WeightSync`, so weights can be replaced in the running engine. `engine_args` go to
+    `vllm.LLM` as they are.
+    """
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        _cpu_env()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    from vllm import LLM
+
+    memory = (
+        dict(gpu_memory_utilization=gpu_memory_utilization)
+        if on_gpu
+        else dict(kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
+    )
+    return LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
+        worker_extension_cls="m2po_cli.vllm_worker.WeightSync",
+        enable_prefix_caching=True,
+        seed=0,
+        **memory,
+        **engine_args,
+    )
+
+
 class VLLMEngine:
     """A `vllm.LLM`, its engine core in this process (`in_process`) or in a spawned one.
 
@@ -60,30 +104,18 @@ class VLLMEngine:
     """
 
     def __init__(self, model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, in_process: bool):
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            _cpu_env()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        from vllm import LLM
-
         self.cfg = cfg
         self.version = 0
-        memory = (
-            dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
-            if on_gpu
-            else dict(kv_cache_memory_bytes=int(cfg.kv_cache_gib * 2**30))
-        )
-        self.llm = LLM(
-            model=str(model_dir),
+        self.llm = build_llm(
+            model_dir,
             dtype=dtype,
             max_model_len=max_model_len,
+            in_process=in_process,
+            kv_cache_gib=cfg.kv_cache_gib,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
             # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="m2po_cli.vllm_worker.WeightSync",
-            enable_prefix_caching=True,
-            seed=0,
-            **memory,
         )
         self.tokenizer = self.llm.get_tokenizer()
 

@@ -113,7 +113,9 @@ class RunLog:
             self.wandb.log(metrics, step=step)
         extra = self._headline(metrics)
         if self.progress is not None:
-            self.progress.update(self.task, completed=step + 1, reward=metrics["rollout/reward_mean"], extra=extra)
+            self.progress.update(
+                self.task, completed=step + 1, reward=metrics["rollout/reward_mean"], extra=extra
+            )
         else:
             self.console.print(
                 f"step {step + 1}/{self.recipe.run.steps} reward {metrics['rollout/reward_mean']:.3f} {extra}"

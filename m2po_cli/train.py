@@ -42,7 +42,9 @@ def train(recipe: Recipe) -> Path:
         )
         grader = Grader()
     tokenizer = _tokenizer(model_dir)
-    prompts = PromptBatches(load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+    prompts = PromptBatches(
+        load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step
+    )
 
     first_step = 0
     last = checkpoint.latest(run_dir) if recipe.checkpoint.resume == "auto" else None
@@ -61,7 +63,9 @@ def train(recipe: Recipe) -> Path:
             log.message(f"resumed from {last} (step {first_step}, policy version {learner.version})")
     try:
         while not queue.warm:  # warm-up batches: from the initial policy, not counted as steps
-            queue.push(rollout(engine, grader, prompts, learner, recipe, len(queue.queue) - recipe.queue_batches))
+            queue.push(
+                rollout(engine, grader, prompts, learner, recipe, len(queue.queue) - recipe.queue_batches)
+            )
         for step in range(first_step, recipe.run.steps):
             t0 = time.perf_counter()
             queue.push(rollout(engine, grader, prompts, learner, recipe, step))
@@ -155,7 +159,7 @@ def train_on(
         rows = range(u * per_update, (u + 1) * per_update)
         mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()
         num_tokens = sum(len(batch.responses[i]) for i in rows)
-        rows_batch = to_batch(batch, mine, advantages)
+        rows_batch = to_batch(batch, mine, advantages, recipe.algorithm.behaviour_logprobs)
         t0 = time.perf_counter()
         m = learner.update(rows_batch, loss_fn, num_tokens)
         t1 = time.perf_counter()
@@ -174,9 +178,13 @@ def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
         engine.push_weights(state, learner.version)
 
 
-def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor) -> Batch:
-    """Right-padded tensors of the chosen rows (prompt + response) with their response mask."""
+def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor, behaviour: str = "engine") -> Batch:
+    """Right-padded tensors of the chosen rows (prompt + response) with their response mask.
+
+    `behaviour` picks the behaviour logprobs: the engine's, or the learner's at the batch's version.
+    """
     rows = list(rows)
+    behaviour_logprobs = batch.behaviour_logprobs if behaviour == "engine" else batch.learner_logprobs
     seqs = [batch.prompt_of(i) + batch.responses[i] for i in rows]
     length = max((len(s) for s in seqs), default=1)
     tokens = torch.zeros(len(rows), length, dtype=torch.long)
@@ -186,7 +194,7 @@ def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor) -> Batch:
         p, r = len(batch.prompt_of(i)), len(batch.responses[i])
         tokens[j, : p + r] = torch.tensor(seqs[j])
         mask[j, p : p + r] = 1.0
-        behaviour[j, p : p + r] = torch.tensor(batch.behaviour_logprobs[i])
+        behaviour[j, p : p + r] = torch.tensor(behaviour_logprobs[i])
     return Batch(
         tokens_BL=tokens,
         mask_BL=mask,

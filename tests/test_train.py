@@ -31,7 +31,7 @@ def metrics(run_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full")
-    return train(recipe_for(tmp, *SMALL, "run.steps=6"))
+    return train(recipe_for(tmp, *SMALL, "run.steps=6", "logging.wandb=true", 'logging.wandb_mode="offline"'))
 
 
 def test_staleness_is_exactly_s_after_warm_up(uninterrupted):
@@ -57,6 +57,7 @@ def test_run_directory_describes_itself(uninterrupted):
     steps = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
     assert steps == ["step-000002", "step-000004", "step-000006"]
     assert (uninterrupted / "export" / "config.json").exists()
+    assert list((uninterrupted / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run"
     assert load_file(str(uninterrupted / "export" / "model.safetensors"))
 
 

@@ -1,0 +1,208 @@
+"""`m2po eval` configuration: the evaluation protocol and the benchmark definitions, as typed TOML.
+
+Two kinds of file, both parsed into frozen models that reject unknown keys (like recipes):
+- `evals/benchmarks.toml`, one `[[benchmark]]` table per benchmark: where its problems come from (a JSONL file under
+  `--data-dir` in the schema of `shared/benchmarks`, or a hub dataset for users with a network),
+  its field names, its samples per problem and, where the paper used one, its own prompt template.
+- an optional eval TOML (`--protocol FILE`) with `[protocol]`, `[engine]` and `[grader]` tables.
+  The defaults are the paper's protocol (M2PO, arXiv 2510.01161); precedence is defaults < file <
+  `--set key.path=value`.
+This module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationError, model_validator
+
+from m2po_cli.config import (
+    _BOUNDS,
+    _TYPE_NAMES,
+    PAPER_PROMPT_TEMPLATE,
+    ConfigError,
+    Table,
+    _set_path,
+    _show,
+    field,
+    parse_override,
+)
+
+EVALS_DIR = Path(__file__).resolve().parents[1] / "evals"
+BENCHMARKS_TOML = EVALS_DIR / "benchmarks.toml"
+
+
+class Protocol(Table):
+    """What is sampled and how; every field here is part of the result cache's key."""
+
+    prompt_template: str | None = field(
+        None,
+        "User-turn template, `{problem}` replaced by the problem, sent through the chat template; unset: "
+        "each benchmark's own (the paper's template; Gaokao keeps the paper's literal `{{}}` quirk).",
+    )
+    temperature: float = field(1.0, "Sampling temperature.", ge=0)
+    top_p: float = field(0.7, "Nucleus sampling threshold.", gt=0, le=1)
+    max_new_tokens: int = field(
+        2560, "Longest response, in tokens; clamped per prompt to the model's context length.", ge=1
+    )
+    max_prompt_tokens: int = field(
+        1536, "Prompts longer than this (after the chat template) are skipped and counted.", ge=1
+    )
+    samples: int | None = field(
+        None,
+        "Samples per problem for every benchmark; unset: each benchmark's own (AIME 16, others 4).",
+        ge=1,
+    )
+
+    @model_validator(mode="after")
+    def _check_template(self) -> Protocol:
+        if self.prompt_template is not None:
+            check_template(self.prompt_template, "prompt_template")
+        return self
+
+
+class EngineOptions(Table):
+    """How vLLM runs; these do not change what is sampled, so they are not part of the cache key."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = field(
+        "auto", "Weights and activations; auto is float32 on CPU, bfloat16 on GPU."
+    )
+    kv_cache_gib: float = field(1.0, "KV cache size on CPU, in GiB.", gt=0)
+    gpu_memory_utilization: float = field(0.9, "Fraction of GPU memory vLLM may take (GPU only).", gt=0, lt=1)
+    cuda_graphs: bool = field(
+        True, "Capture CUDA graphs on GPU: slower start, faster generation. CPU runs eager."
+    )
+    tensor_parallel_size: int = field(
+        1, "GPUs per engine (tensor parallelism), for models that need several.", ge=1
+    )
+
+
+class GraderOptions(Table):
+    workers: int = field(4, "Grading processes.", ge=1)
+    timeout_s: float = field(5.0, "Time limit per sample; a sample that runs out scores 0.", gt=0)
+
+
+class EvalConfig(Table):
+    protocol: Protocol = field(Protocol(), "Sampling protocol (the paper's by default).")
+    engine: EngineOptions = field(EngineOptions(), "vLLM engine settings.")
+    grader: GraderOptions = field(GraderOptions(), "Grader pool settings.")
+
+
+class HubSource(Table):
+    """A benchmark's copy on the Hugging Face hub (`datasets.load_dataset(path, split=...)`)."""
+
+    path: str = field(..., "Dataset id, or a builder such as `json` together with `data_files`.")
+    split: str = field(..., "Split to load.")
+    data_files: str | None = field(None, "File URL or path for builder datasets such as `json`.")
+    problem_key: str = field("problem", "Field holding the problem text.")
+    answer_key: str = field("answer", "Field holding the gold answer.")
+    answer_index: int | None = field(None, "The answer field is a list: take this item.", ge=0)
+    strip_dollars: bool = field(False, "Remove `$` from the gold answer (as M2PO's preprocessing does).")
+    id_key: str | None = field(None, "Field holding a problem id; unset: `<name>-<row index>`.")
+
+
+class BenchmarkSpec(Table):
+    """One `[[benchmark]]` of `evals/benchmarks.toml`."""
+
+    name: str = field(..., "Short name, as used by `--benchmarks`.", pattern=r"^[a-z0-9_-]+$")
+    title: str = field(..., "Column header in result tables.", min_length=1)
+    file: str = field(..., "JSONL file under `--data-dir` (fields id, problem, answer).")
+    num_problems: int = field(..., "Problems in the benchmark (a different count is reported).", ge=1)
+    samples: int = field(..., "Samples per problem in the paper's protocol.", ge=1)
+    prompt_template: str = field(PAPER_PROMPT_TEMPLATE, "This benchmark's prompt in the paper.")
+    hub: HubSource | None = field(None, "Where the problems come from without `--data-dir`.")
+
+    @model_validator(mode="after")
+    def _check_template(self) -> BenchmarkSpec:
+        check_template(self.prompt_template, "prompt_template")
+        return self
+
+
+def check_template(template: str, key: str) -> None:
+    """A template must format with `problem=` alone; literal braces are written `{{` and `}}`."""
+    if "{problem}" not in template:
+        raise ValueError(f"{key}: must contain {{problem}}")
+    try:
+        template.format(problem="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{key}: {e!r}; write literal braces as {{{{ and }}}}") from None
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(path), "", f"invalid TOML: {e}") from None
+
+
+def _validate(model: type[Table], tree: dict, source: str) -> Table:
+    try:
+        return model.model_validate(tree)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc, msg = [str(p) for p in err["loc"]], _problem(err)
+        if err["type"] == "value_error" and re.match(r"^\w+: ", msg):  # our validators name the key
+            sub, msg = msg.split(": ", 1)
+            loc.append(sub)
+        raise ConfigError(source, ".".join(loc), msg) from None
+
+
+def _problem(err: dict) -> str:
+    """A pydantic error phrased as the recipe loader phrases it."""
+    kind, got = err["type"], _show(err.get("input"))
+    if kind in _BOUNDS:
+        return f"must be {_BOUNDS[kind]} {next(iter(err['ctx'].values()))} (got {got})"
+    if kind in _TYPE_NAMES:
+        return f"must be {_TYPE_NAMES[kind]} (got {got})"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "value_error":
+        return err["msg"].removeprefix("Value error, ")
+    return f"{err['msg']} (got {got})"
+
+
+def load_eval_config(path: str | Path | None = None, overrides: list[str] = ()) -> EvalConfig:
+    """Defaults < the eval TOML at `path` < `--set key.path=value` overrides. Raises ConfigError."""
+    source = str(path) if path is not None else "eval defaults"
+    tree = _read_toml(Path(path)) if path is not None else {}
+    for text in overrides:
+        key, value = parse_override(text, f"{source} (--set)")
+        _set_path(tree, key, value, f"{source} (--set)")
+    if overrides:
+        source = f"{source} (--set)"
+    return _validate(EvalConfig, tree, source)
+
+
+class BenchmarkSet(Table):
+    benchmark: list[BenchmarkSpec] = field(..., "The benchmarks, in the order of the result tables.")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> BenchmarkSet:
+        names = [b.name for b in self.benchmark]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"benchmark: name {duplicate!r} is used twice")
+        return self
+
+
+def load_benchmarks(names: list[str] | None = None, path: Path = BENCHMARKS_TOML) -> list[BenchmarkSpec]:
+    """The benchmarks defined in `path`: all in file order, or those in `names` in that order."""
+    specs = {b.name: b for b in _validate(BenchmarkSet, _read_toml(path), str(path)).benchmark}
+    if names is None:
+        return list(specs.values())
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise ConfigError(
+            "--benchmarks", "", f"unknown benchmark {unknown[0]!r}; choose from {', '.join(specs)}"
+        )
+    return [specs[n] for n in names]

@@ -1,0 +1,86 @@
+"""Benchmark problems for `m2po eval`: a local JSONL file under `--data-dir`, or the hub.
+
+Local files follow the schema of `shared/benchmarks` (one object a line: `id`, `problem`, `answer`,
+more fields ignored). Hub rows are mapped through the benchmark's `[hub]` field names. Either way a
+benchmark becomes a list of `EvalProblem` in file order, and `digest` names its content, so cached
+results of an edited or different copy are never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from m2po_cli.data import DataError
+from m2po_cli.eval_config import BenchmarkSpec, HubSource
+
+
+@dataclass(frozen=True)
+class EvalProblem:
+    id: str
+    problem: str
+    answer: str
+
+
+def load_problems(spec: BenchmarkSpec, data_dir: Path | None) -> list[EvalProblem]:
+    """All problems of `spec`, from `data_dir / spec.file` or, without a data dir, from the hub."""
+    if data_dir is not None:
+        return _read_local(data_dir / spec.file)
+    if spec.hub is None:
+        raise DataError(f"{spec.name}: no hub source is defined; pass --data-dir with {spec.file}")
+    return _read_hub(spec.name, spec.hub)
+
+
+def digest(problems: list[EvalProblem]) -> str:
+    """Content hash of a whole benchmark (ids, problems, answers)."""
+    text = json.dumps([[p.id, p.problem, p.answer] for p in problems])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_local(path: Path) -> list[EvalProblem]:
+    if not path.is_file():
+        raise DataError(f"{path}: benchmark file not found")
+    problems = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {line_no}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON: {e}") from None
+        missing = [k for k in ("id", "problem", "answer") if not isinstance(row.get(k), str)]
+        if missing:
+            raise DataError(f"{where}: field {missing[0]!r} must be a string")
+        problems.append(EvalProblem(row["id"], row["problem"], row["answer"]))
+    ids = [p.id for p in problems]
+    if len(set(ids)) != len(ids):
+        raise DataError(f"{path}: ids are not unique")
+    return problems
+
+
+def _read_hub(name: str, hub: HubSource) -> list[EvalProblem]:
+    # Imported here: `datasets` takes seconds to import and only hub sources need it.
+    import datasets
+
+    ds = datasets.load_dataset(hub.path, split=hub.split, data_files=hub.data_files)
+    for key in (hub.problem_key, hub.answer_key, hub.id_key):
+        if key is not None and key not in ds.column_names:
+            raise DataError(f"{name}: {hub.path} has no field {key!r}; fields: {', '.join(ds.column_names)}")
+    return [_hub_problem(name, hub, i, row) for i, row in enumerate(ds)]
+
+
+def _hub_problem(name: str, hub: HubSource, i: int, row: dict[str, Any]) -> EvalProblem:
+    answer = row[hub.answer_key]
+    if hub.answer_index is not None:
+        answer = answer[hub.answer_index]
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)  # math-ai/amc23 stores 27 as 27.0
+    answer = str(answer)
+    if hub.strip_dollars:
+        answer = answer.replace("$", "")
+    problem_id = str(row[hub.id_key]) if hub.id_key is not None else f"{name}-{i}"
+    return EvalProblem(problem_id, str(row[hub.problem_key]), answer)

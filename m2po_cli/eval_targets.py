@@ -1,0 +1,188 @@
+"""What `m2po eval CKPT` evaluates: checkpoints named on the command line, resolved to model directories.
+
+A CKPT is one of:
+- an HF model directory (`config.json` and safetensors), evaluated as it is;
+- a run directory (`config.toml` beside `export/` or `checkpoints/`): its final `export/`, or with
+  `--all-checkpoints` each complete saved step;
+- one saved step of a run (`<run>/checkpoints/step-NNNNNN`, DCP shards): converted once to an HF
+  directory in `$M2PO_CACHE/exports/` (default ~/.cache/m2po), never inside the run;
+- a hub id or a builtin model name (`builtin:tiny-qwen3`), resolved as a recipe's `model.path` is.
+
+`resolve_targets` only looks at the file system, so a mistake fails in milliseconds; `model_dir()`
+does the work (download, build or conversion). A target's `identity` hashes its path and the size
+and modification time of its files: a retrained run or an overwritten export gets fresh results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from m2po_cli.config import BUILTIN_MODELS, HUB_ID
+
+STEP_DONE = "COMPLETE"
+
+
+class TargetError(Exception):
+    """A CKPT argument that names nothing evaluable (one line, naming the path)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One checkpoint to evaluate. `path` is the model directory, the step directory or the hub id."""
+
+    label: str
+    kind: Literal["model", "step", "hub"]
+    path: str
+
+    def identity(self) -> str:
+        """Stable while the checkpoint's files are unchanged; differs for any other checkpoint.
+
+        For a hub id or builtin, the files are those it resolves to (a snapshot of one revision, a
+        builtin built from one spec): resolving it first, so a new revision gets fresh results.
+        """
+        directory = self.model_dir() if self.kind == "hub" else Path(self.path)
+        return _hash(_file_stats(directory))
+
+    def model_dir(self) -> Path:
+        """A local HF-format directory with these weights (converted, downloaded or built if needed)."""
+        if self.kind == "model":
+            return Path(self.path)
+        if self.kind == "step":
+            return export_step(Path(self.path))
+        from m2po_cli.models import resolve_model
+
+        return resolve_model(self.path)
+
+
+def resolve_targets(args: list[str], all_checkpoints: bool) -> list[Target]:
+    """Targets for the CKPT arguments, in order. Raises TargetError."""
+    targets: list[Target] = []
+    for arg in args:
+        targets.extend(_resolve_one(arg, all_checkpoints))
+    return targets
+
+
+def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
+    path = Path(arg).expanduser()
+    if not path.exists():
+        if arg in BUILTIN_MODELS or (HUB_ID.match(arg) and not arg.startswith((".", "/", "~"))):
+            return [Target(arg, "hub", arg)]
+        raise TargetError(f"{arg}: checkpoint not found")
+    path = path.resolve()
+    if _is_run(path):
+        return _run_targets(path, all_checkpoints)
+    if path.parent.name == "checkpoints" and _is_run(path.parent.parent):
+        if not (path / STEP_DONE).exists():
+            raise TargetError(
+                f"{arg}: incomplete checkpoint (no {STEP_DONE} file; was the run killed while saving?)"
+            )
+        return [Target(f"{path.parent.parent.name}/{path.name}", "step", str(path))]
+    if (path / "config.json").is_file():
+        if not any(path.glob("*.safetensors")):
+            raise TargetError(f"{arg}: no *.safetensors weights in this model directory")
+        return [Target(_model_label(path), "model", str(path))]
+    raise TargetError(
+        f"{arg}: neither an HF model directory (config.json), a run directory (config.toml) nor a saved step"
+    )
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "config.toml").is_file() and (
+        (path / "export").is_dir() or (path / "checkpoints").is_dir()
+    )
+
+
+def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
+    if all_checkpoints:
+        from m2po_cli.checkpoint import STEP_PREFIX  # imports torch: only here, not for a typo'd path
+
+        root = run / "checkpoints"
+        steps = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / STEP_DONE).exists())
+        if not steps:
+            raise TargetError(f"{run}: no complete checkpoint under checkpoints/")
+        return [Target(f"{run.name}/{p.name}", "step", str(p)) for p in steps]
+    export = run / "export"
+    if not (export / "config.json").is_file():
+        raise TargetError(
+            f"{run}: the run has no export/ (not finished, or checkpoint.export_hf = false); "
+            "pass --all-checkpoints or one step, e.g. {run}/checkpoints/step-NNNNNN".replace(
+                "{run}", str(run)
+            )
+        )
+    return [Target(f"{run.name}/export", "model", str(export))]
+
+
+def _model_label(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}" if (path.parent / "config.toml").is_file() else path.name
+
+
+def _file_stats(directory: Path) -> list:
+    stats = [str(directory)]
+    for p in sorted(directory.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            stats.append([p.name, st.st_size, st.st_mtime_ns])
+    return stats
+
+
+def _hash(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
+
+
+# --- DCP step -> HF directory --------------------------------------------------------------------
+
+
+def export_step(step: Path) -> Path:
+    """The HF export of a saved step, converted on first use into `$M2PO_CACHE/exports/`.
+
+    The run's `config.toml` rebuilds its learner (one process); only the model part of the DCP
+    checkpoint is read, not the optimizer state. Written to a temporary directory and renamed into
+    place, so a killed conversion leaves nothing that looks finished.
+    """
+    from m2po_cli.models import cache_root
+
+    run = step.parent.parent
+    final = cache_root() / "exports" / f"{run.name}-{step.name}-{_hash(_file_stats(step))}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=final.parent))
+    try:
+        _convert(step, run, tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not a concurrent conversion that won the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert(step: Path, run: Path, out: Path) -> None:
+    import gc
+
+    import torch
+
+    from m2po_cli import checkpoint
+    from m2po_cli.config import load_recipe
+    from m2po_cli.learner import Learner
+    from m2po_cli.models import resolve_model
+
+    # The data source is irrelevant to the weights and may not exist where eval runs (a relative
+    # path, a moved file): replace it so that validation does not stop on it.
+    recipe = load_recipe(run / "config.toml", ['data.source="synthetic:arithmetic"'])
+    base = resolve_model(recipe.model.path)
+    learner = Learner(base, recipe)
+    checkpoint.load_model(step, learner)
+    learner.export_hf(out, base)
+    del learner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,366 @@
+"""`m2po eval`: sample every selected benchmark with vLLM, grade with the training grader, cache, report.
+
+For each target (checkpoint) the prompts of all selected benchmarks are submitted to one engine at
+once and vLLM batches them; finished requests are graded in chunks while the engine keeps running
+its other requests, and every graded sample is appended to its cache file at once, so a killed
+evaluation resumes where it stopped. Layout of the output directory (`--out`):
+
+    results.json, results.md          this invocation: every target x benchmark
+    <label>-<identity>/               one per checkpoint (see eval_targets.Target.identity)
+        target.json, results.json     what was evaluated, and its results
+        <benchmark>-<key>.jsonl       one line per graded sample: problem_id, sample, answer,
+                                      correct, tokens, finished
+
+`<key>` hashes the checkpoint, the sampling protocol, the prompt template and the benchmark's
+content, so results are reused only when all four match. Neither the number of samples nor
+`--limit` is part of the key: raising either generates only the samples that are missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from m2po_cli.eval_config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
+from m2po_cli.eval_data import EvalProblem, digest
+from m2po_cli.eval_report import markdown_table, rich_table, summarize_benchmark, summarize_target
+from m2po_cli.eval_targets import Target
+from m2po_cli.grader import Grader, extract_boxed
+
+GRADE_CHUNK = 256  # samples graded per call while the engine runs
+
+
+@dataclass
+class Job:
+    """One prompt and the sample indices it still needs."""
+
+    bench: str
+    problem: EvalProblem
+    prompt_ids: list[int]
+    samples: list[int]
+    max_tokens: int
+
+
+@dataclass
+class BenchPlan:
+    """One benchmark for one target: what is cached, what is skipped, what is left to sample."""
+
+    spec: BenchmarkSpec
+    problems: list[EvalProblem]
+    num_samples: int
+    cache: Path
+    records: dict[tuple[str, int], dict] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # problem ids whose prompt does not fit
+    clamped: int = 0  # prompts whose max_new_tokens was cut to fit the context
+    jobs: list[Job] = field(default_factory=list)
+
+
+def run(
+    targets: list[Target],
+    specs: list[BenchmarkSpec],
+    problems: dict[str, list[EvalProblem]],
+    cfg: EvalConfig,
+    out: Path,
+    limit: int | None,
+    console: Console,
+) -> list[dict[str, Any]]:
+    """`m2po eval` after its arguments are checked: evaluate, write results.json and results.md, show the table."""
+    for spec in specs:
+        if len(problems[spec.name]) != spec.num_problems:
+            console.print(
+                f"[yellow]warning[/]: {spec.name} has {len(problems[spec.name])} problems, "
+                f"the benchmark has {spec.num_problems}"
+            )
+    summaries = evaluate(targets, specs, problems, cfg, out, limit, console)
+    results = {"config": cfg.model_dump(mode="json"), "limit": limit, "targets": summaries}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown_table(summaries, limit))
+    table = rich_table(summaries, limit)
+    # Never squeeze labels and numbers into ellipses (rich's default in a narrow or piped console).
+    natural = Measurement.get(console, console.options.update_width(1000), table).maximum
+    width, console.width = console.width, max(console.width, natural)
+    console.print(table)
+    console.width = width
+    console.print(f"results: {out / 'results.json'}, {out / 'results.md'}")
+    return summaries
+
+
+def evaluate(
+    targets: list[Target],
+    specs: list[BenchmarkSpec],
+    problems: dict[str, list[EvalProblem]],
+    cfg: EvalConfig,
+    out: Path,
+    limit: int | None,
+    console: Console,
+) -> list[dict[str, Any]]:
+    """Evaluate every target on every benchmark; return one summary per target (see eval_report)."""
+    engine = EvalEngine(cfg.engine)
+    grader: Grader | None = None
+    summaries = []
+    try:
+        for target in targets:
+            model_dir = target.model_dir()
+            target_dir = out / f"{_slug(target.label)}-{target.identity()[:8]}"
+            target_dir.mkdir(parents=True, exist_ok=True)
+            info = {
+                "label": target.label,
+                "kind": target.kind,
+                "path": target.path,
+                "model_dir": str(model_dir),
+            }
+            (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
+            plans = plan_target(target, model_dir, specs, problems, cfg.protocol, target_dir, limit)
+            jobs = [job for plan in plans for job in plan.jobs]
+            _report_plan(console, target.label, plans, jobs)
+            if jobs:
+                grader = grader or Grader(cfg.grader.workers, cfg.grader.timeout_s)
+                engine.load(model_dir, context_length(model_dir, cfg.protocol))
+                run_jobs(engine.llm, grader, jobs, cfg.protocol, {p.spec.name: p for p in plans}, console)
+            summary = summarize_target(info, {p.spec.name: summarize_benchmark(p) for p in plans})
+            (target_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+            summaries.append(summary)
+    finally:
+        engine.close()
+        if grader is not None:
+            grader.close()
+    return summaries
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+def context_length(model_dir: Path, protocol: Protocol) -> int:
+    """The engine's context: prompt budget + response budget, capped at the model's own limit."""
+    config = json.loads((model_dir / "config.json").read_text())
+    wanted = protocol.max_prompt_tokens + protocol.max_new_tokens
+    # Architectures without this key state their context otherwise; vLLM rejects a `wanted` beyond it.
+    return min(wanted, config.get("max_position_embeddings", wanted))
+
+
+def plan_target(
+    target: Target,
+    model_dir: Path,
+    specs: list[BenchmarkSpec],
+    problems: dict[str, list[EvalProblem]],
+    protocol: Protocol,
+    target_dir: Path,
+    limit: int | None,
+) -> list[BenchPlan]:
+    from transformers import AutoTokenizer
+
+    from m2po_cli.data import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    max_len = context_length(model_dir, protocol)
+    identity = target.identity()
+    plans = []
+    for spec in specs:
+        template = protocol.prompt_template or spec.prompt_template
+        key = _hash([identity, _sampling(protocol), template, digest(problems[spec.name])])
+        plan = BenchPlan(
+            spec,
+            problems[spec.name][:limit],
+            protocol.samples or spec.samples,
+            target_dir / f"{spec.name}-{key[:12]}.jsonl",
+        )
+        plan.records = read_records(plan.cache)
+        for problem in plan.problems:
+            ids = encode_prompt(tokenizer, template, problem.problem)
+            room = max_len - len(ids)
+            if len(ids) > protocol.max_prompt_tokens or room < 1:
+                plan.skipped.append(problem.id)
+                continue
+            plan.clamped += room < protocol.max_new_tokens
+            missing = [i for i in range(plan.num_samples) if (problem.id, i) not in plan.records]
+            if missing:
+                job = Job(spec.name, problem, ids, missing, min(protocol.max_new_tokens, room))
+                plan.jobs.append(job)
+        plans.append(plan)
+    return plans
+
+
+def _sampling(protocol: Protocol) -> list:
+    p = protocol
+    return [p.temperature, p.top_p, p.max_new_tokens, p.max_prompt_tokens]
+
+
+def read_records(path: Path) -> dict[tuple[str, int], dict]:
+    """Graded samples of a cache file by (problem id, sample index).
+
+    A line cut short by a kill mid-write can only be the last one: it is dropped from the file.
+    """
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines(keepends=True)
+    records = {}
+    for i, line in enumerate(lines):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+            path.write_text("".join(lines[:i]))
+            break
+        records[(r["problem_id"], r["sample"])] = r
+    return records
+
+
+# --- generation and grading ----------------------------------------------------------------------
+
+
+class EvalEngine:
+    """One vLLM engine, kept across targets of the same architecture (weights reloaded in place)."""
+
+    def __init__(self, cfg: EngineOptions):
+        self.cfg = cfg
+        self.llm = None
+        self.signature: str | None = None
+
+    def load(self, model_dir: Path, max_model_len: int) -> None:
+        signature = _hash([_config_files(model_dir), max_model_len])
+        if self.llm is not None and signature == self.signature:
+            self.llm.collective_rpc("m2po_load_weights_from", args=(str(model_dir),))
+            self.llm.reset_prefix_cache()  # cached KV was computed by the previous weights
+            return
+        self.close()
+        self.llm = build_eval_llm(model_dir, self.cfg, max_model_len)
+        self.signature = signature
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
+    """An in-process `vllm.LLM` for evaluation (the CPU settings of training's engine)."""
+    import torch
+
+    from m2po_cli.rollout import build_llm
+
+    on_gpu = torch.cuda.is_available()
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    return build_llm(
+        model_dir,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        in_process=True,
+        kv_cache_gib=cfg.kv_cache_gib,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enforce_eager=not (on_gpu and cfg.cuda_graphs),
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
+
+
+def sampling_params(protocol: Protocol, n: int, max_tokens: int):
+    """The eval's own sampling: top_p < 1 is allowed here (training's RolloutConfig forbids it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=protocol.temperature,
+        top_p=protocol.top_p,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=max_tokens,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def run_jobs(
+    llm, grader: Grader, jobs: list[Job], protocol: Protocol, plans: dict[str, BenchPlan], console: Console
+) -> None:
+    """Submit every job to the engine at once; grade and append finished samples as they arrive."""
+    from vllm import TokensPrompt
+
+    inputs = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=j.prompt_ids) for j in jobs])
+    for i, (job, engine_input) in enumerate(zip(jobs, inputs, strict=True)):
+        llm.llm_engine.add_request(
+            str(i), engine_input, sampling_params(protocol, len(job.samples), job.max_tokens)
+        )
+    total = sum(len(j.samples) for j in jobs)
+    with _progress(console) as progress:
+        generated = progress.add_task("generated", total=total)
+        graded = progress.add_task("graded", total=total)
+        finished: list[tuple[Job, int, Any]] = []
+        while llm.llm_engine.has_unfinished_requests():
+            for out in llm.llm_engine.step():
+                if out.finished:
+                    job = jobs[int(out.request_id)]
+                    finished.extend(zip([job] * len(job.samples), job.samples, out.outputs, strict=True))
+                    progress.advance(generated, len(out.outputs))
+            if len(finished) >= GRADE_CHUNK or (finished and not llm.llm_engine.has_unfinished_requests()):
+                _grade_and_append(grader, finished, plans, lambda k: progress.advance(graded, k))
+                finished = []
+
+
+def _grade_and_append(
+    grader: Grader, finished: list[tuple[Job, int, Any]], plans: dict[str, BenchPlan], advance: Callable
+) -> None:
+    scores = grader.grade_many(
+        [c.text for _, _, c in finished], [job.problem.answer for job, _, _ in finished]
+    )
+    lines: dict[str, list[str]] = {}
+    for (job, sample, completion), score in zip(finished, scores, strict=True):
+        record = {
+            "problem_id": job.problem.id,
+            "sample": sample,
+            "answer": extract_boxed(completion.text),
+            "correct": score == 1.0,
+            "tokens": len(completion.token_ids),
+            "finished": completion.finish_reason == "stop",
+        }
+        plans[job.bench].records[(job.problem.id, sample)] = record
+        lines.setdefault(job.bench, []).append(json.dumps(record, ensure_ascii=False) + "\n")
+    for bench, bench_lines in lines.items():
+        with open(plans[bench].cache, "a") as f:
+            f.write("".join(bench_lines))
+    advance(len(finished))
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:>9}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("samples"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _report_plan(console: Console, label: str, plans: list[BenchPlan], jobs: list[Job]) -> None:
+    cached = sum(len(p.records) for p in plans)
+    todo = sum(len(j.samples) for j in jobs)
+    skipped = sum(len(p.skipped) for p in plans)
+    too_long = f", {skipped} problems skipped (prompt too long)" if skipped else ""
+    console.print(f"[bold]{label}[/]: {todo} samples to generate, {cached} cached{too_long}")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _config_files(model_dir: Path) -> list:
+    """Everything but the weights: equal for checkpoints that one engine can serve in turn."""
+    weights = (".safetensors", ".safetensors.index.json")
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and not p.name.endswith(weights))
+    return [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in files]
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")
+
+
+def _hash(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()

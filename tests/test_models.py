@@ -1,0 +1,189 @@
+"""Builtin models: the tiny Qwen3s and the SmolLM2 conversion load in transformers, with the tokenizer,
+chat template and answer format the synthetic task needs; the build cache is reused and atomic.
+
+The builtins are built into the real cache (`$M2PO_CACHE`, default ~/.cache/m2po): the first run
+takes about a minute, later runs reuse them. vLLM loading is covered by the weight-sync tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from m2po_cli import models
+from m2po_cli.models import BOXED_TOKEN, EOS_TOKEN, PAD_TOKEN, char_tokenizer, resolve_model
+
+TINY = ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"]
+BOXED = re.compile(r"\\boxed\{(\d+)\}$")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs() -> dict[str, Path]:
+    return {name: resolve_model(name) for name in TINY}
+
+
+def _prompt(tokenizer, problem: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True
+    )
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_loads_with_consistent_config(tiny_dirs, name):
+    path = tiny_dirs[name]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in path.iterdir()
+    }
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    tied = name == "builtin:tiny-qwen3"
+    assert model.config.tie_word_embeddings is tied
+    shares = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert shares is tied
+    # vLLM needs the model's vocab to cover the tokenizer and eos in config and generation config.
+    assert model.config.vocab_size >= len(tokenizer)
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    # vLLM's CPU attention supports head sizes from 32 up.
+    assert model.config.head_dim >= 32
+
+
+def test_tokenizer_round_trips_and_special_tokens(tiny_dirs):
+    saved = AutoTokenizer.from_pretrained(tiny_dirs["builtin:tiny-qwen3"])
+    for tokenizer in (char_tokenizer(), saved):
+        text = "".join(chr(c) for c in range(32, 127)) + "\nx = 3+4\n"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(ids) == len(text)  # one token per character
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.eos_token == EOS_TOKEN and tokenizer.pad_token == PAD_TOKEN
+        assert tokenizer.eos_token_id != tokenizer.pad_token_id
+        ids = tokenizer.encode(f"{BOXED_TOKEN}12}}{EOS_TOKEN}", add_special_tokens=False)
+        assert tokenizer.convert_ids_to_tokens(ids) == [BOXED_TOKEN, "1", "2", "}", EOS_TOKEN]
+        assert tokenizer.decode(ids, skip_special_tokens=True) == "\\boxed{12}"
+
+
+def test_chat_template_is_qwen_style(tiny_dirs):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["builtin:tiny-qwen3"])
+    assert _prompt(tokenizer, "3+4") == "<|im_start|>user\n3+4<|im_end|>\n<|im_start|>assistant\n"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "\\boxed{2}"}], tokenize=False
+    )
+    assert text == "<|im_start|>user\n1+1<|im_end|>\n<|im_start|>assistant\n\\boxed{2}<|im_end|>\n"
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_warm_start_answers_in_format(tiny_dirs, name):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs[name]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs[name])
+    ws = models.BUILTINS[name].warm_start
+    gen = torch.Generator().manual_seed(0)
+    operands = torch.randint(0, ws.max_operand + 1, (64, 2), generator=gen).tolist()
+    prompts = [_prompt(tokenizer, f"{a}+{b}") for a, b in operands]
+    batch = tokenizer(
+        prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+    )
+    num_prompt_tokens = batch["input_ids"].shape[1]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        greedy = model.generate(**batch, do_sample=False, max_new_tokens=8)
+        sampled = model.generate(
+            **batch, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=8, num_return_sequences=4
+        )
+    for out in (greedy, sampled):
+        texts = tokenizer.batch_decode(out[:, num_prompt_tokens:], skip_special_tokens=True)
+        answers = [BOXED.match(t) for t in texts]
+        assert sum(a is not None for a in answers) / len(texts) >= 0.95, texts[:8]
+    # At the rollout temperature the warm-started model mostly guesses (a weak prior, not the
+    # arithmetic): the reward RL starts from leaves it room to learn.
+    gold = [a + b for a, b in operands for _ in range(4)]
+    correct = sum(m is not None and int(m.group(1)) == g for m, g in zip(answers, gold, strict=True))
+    assert correct / len(answers) < 0.4
+
+
+def test_cache_is_reused(tiny_dirs):
+    start = time.perf_counter()
+    again = resolve_model("builtin:tiny-qwen3")
+    assert again == tiny_dirs["builtin:tiny-qwen3"] == models.builtin_dir("builtin:tiny-qwen3")
+    assert time.perf_counter() - start < 1.0
+    assert "tiny-qwen3-untied" in tiny_dirs["builtin:tiny-qwen3-untied"].name
+    assert tiny_dirs["builtin:tiny-qwen3"] != tiny_dirs["builtin:tiny-qwen3-untied"]
+
+
+@pytest.fixture
+def cheap_builtin(tmp_path, monkeypatch) -> str:
+    """A fast-to-build tiny builtin in an empty cache."""
+    name = "builtin:tiny-qwen3"
+    spec = models.BUILTINS[name]
+    cheap = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, steps=2, batch_size=4))
+    monkeypatch.setitem(models.BUILTINS, name, cheap)
+    monkeypatch.setenv("M2PO_CACHE", str(tmp_path / "cache"))
+    return name
+
+
+def test_build_spec_names_the_cache_dir(cheap_builtin):
+    path = resolve_model(cheap_builtin)
+    assert path.parent == Path(models.cache_root()) / "models"
+    assert '"steps": 2' in (path / "m2po_build.json").read_text()
+    spec = models.BUILTINS[cheap_builtin]
+    changed = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, lr=1e-3))
+    assert models._spec_hash(changed) != models._spec_hash(spec)
+
+
+def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, monkeypatch):
+    root = models.cache_root() / "models"
+    final = models.builtin_dir(cheap_builtin)
+    # What a killed build leaves behind: a half-written temp dir.
+    stale = root / f".{final.name}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "warm_start", fail)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            resolve_model(cheap_builtin)
+    assert not final.exists()
+    assert not list(root.glob(f".{final.name}.tmp*"))
+
+    assert resolve_model(cheap_builtin) == final
+    AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_resolve_local_dir_and_errors(tmp_path):
+    assert resolve_model(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="unknown builtin"):
+        resolve_model("builtin:nope")
+    with pytest.raises(ValueError, match="neither"):
+        resolve_model(str(tmp_path / "missing" / "model"))
+
+
+@pytest.mark.slow
+def test_smollm2_conversion_loads_tied():
+    path = resolve_model("builtin:smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = model.config
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.tie_word_embeddings is True
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert getattr(config, "quantization_config", None) is None
+    assert model.dtype == torch.float32
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    assert config.vocab_size >= len(tokenizer)
+    assert tokenizer.eos_token == "<|im_end|>"
+    prompt = _prompt(tokenizer, "What is 2+3?")
+    assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**ids, do_sample=False, max_new_tokens=12)
+    reply = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "5" in reply, reply

@@ -1,0 +1,40 @@
+"""The quickstart, as a newcomer runs it: the real CLI, the real engine and learner, and it learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "m2po_cli",
+        "train",
+        "recipes/quickstart.toml",
+        "--set",
+        f'run.output_dir="{tmp_path}"',
+    ]
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=1200)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-4000:]
+    rewards = [
+        json.loads(line)["rollout/reward_mean"] for line in (tmp_path / "quickstart" / "metrics.jsonl").open()
+    ]
+    k = len(rewards) // 5
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    print(f"quickstart: {elapsed:.0f} s, reward {first:.3f} -> {last:.3f}")
+    assert last - first >= 0.3, f"reward of the first fifth {first:.3f}, of the last fifth {last:.3f}"
+    assert "reward, mean over the first" in done.stderr.splitlines()[-1]
+    assert (tmp_path / "quickstart" / "export" / "model.safetensors").exists()
