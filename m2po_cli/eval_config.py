@@ -65,7 +65,7 @@ class Protocol(Table):
 
 
 class EngineOptions(Table):
-    """How vLLM runs; these do not change what is sampled, so they are not part of the cache key."""
+    """How vLLM runs; not part of the cache key (only `dtype` changes the numerics, slightly)."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = field(
         "auto", "Weights and activations; auto is float32 on CPU, bfloat16 on GPU."

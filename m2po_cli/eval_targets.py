@@ -15,6 +15,7 @@ and modification time of its files: a retrained run or an overwritten export get
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,9 +57,15 @@ class Target:
             return Path(self.path)
         if self.kind == "step":
             return export_step(Path(self.path))
-        from m2po_cli.models import resolve_model
+        return _resolve_model(self.path)
 
-        return resolve_model(self.path)
+
+@functools.cache
+def _resolve_model(name: str) -> Path:
+    # Once per process: a hub id would otherwise ask the hub for its latest revision on every call.
+    from m2po_cli.models import resolve_model
+
+    return resolve_model(name)
 
 
 def resolve_targets(args: list[str], all_checkpoints: bool) -> list[Target]:

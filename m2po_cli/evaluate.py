@@ -1,9 +1,9 @@
 """`m2po eval`: sample every selected benchmark with vLLM, grade with the training grader, cache, report.
 
 For each target (checkpoint) the prompts of all selected benchmarks are submitted to one engine at
-once and vLLM batches them; finished requests are graded in chunks while the engine keeps running
-its other requests, and every graded sample is appended to its cache file at once, so a killed
-evaluation resumes where it stopped. Layout of the output directory (`--out`):
+once and vLLM batches them. Finished samples are graded in chunks between engine steps (a chunk
+costs about a millisecond a sample, against seconds of decoding), and every graded sample is
+appended to its cache file at once, so a killed evaluation resumes where it stopped. Layout of the output directory (`--out`):
 
     results.json, results.md          this invocation: every target x benchmark
     <label>-<identity>/               one per checkpoint (see eval_targets.Target.identity)
