@@ -111,25 +111,25 @@ def _check_values(recipe: Recipe, expected: dict[str, object]) -> None:
 # (id, key path the error must name or None for a TOML syntax error, {text in quickstart: replacement})
 MALFORMED = [
     ("unknown_table", "bogus", {"[run]\n": "[bogus]\nx = 1\n\n[run]\n"}),
-    ("unknown_key", "run.bogus", {"steps = 150\n": "steps = 150\nbogus = 1\n"}),
+    ("unknown_key", "run.bogus", {"steps = 200\n": "steps = 200\nbogus = 1\n"}),
     ("unknown_loss_key", "loss.eps_low", {"tau = 0.04\n": "tau = 0.04\neps_low = 0.2\n"}),
     ("unknown_subtable_key", "data.synthetic.bogus", {"num_operands = 2\n": "num_operands = 2\nbogus = 1\n"}),
-    ("string_for_int", "run.steps", {"steps = 150": 'steps = "150"'}),
-    ("float_for_int", "run.steps", {"steps = 150": "steps = 1.5"}),
+    ("string_for_int", "run.steps", {"steps = 200": 'steps = "200"'}),
+    ("float_for_int", "run.steps", {"steps = 200": "steps = 1.5"}),
     ("float_for_bool", "train.compile", {"[train]\n": "[train]\ncompile = 1.5\n"}),
-    ("string_for_float", "optim.lr", {"lr = 3e-3": 'lr = "fast"'}),
+    ("string_for_float", "optim.lr", {"lr = 5e-4": 'lr = "fast"'}),
     (
         "scalar_for_table",
         "optim",
-        {"[run]\n": "optim = 3\n\n[run]\n", "[optim]\nlr = 3e-3\nweight_decay = 0.0\n": ""},
+        {"[run]\n": "optim = 3\n\n[run]\n", "[optim]\nlr = 5e-4\nweight_decay = 0.0\n": ""},
     ),
     ("bad_literal", "model.dtype", {"[model]\n": '[model]\ndtype = "fp16"\n'}),
     ("betas_length", "optim.betas", {"weight_decay = 0.0": "weight_decay = 0.0\nbetas = [0.9]"}),
-    ("negative_lr", "optim.lr", {"lr = 3e-3": "lr = -3e-3"}),
-    ("zero_lr", "optim.lr", {"lr = 3e-3": "lr = 0.0"}),
+    ("negative_lr", "optim.lr", {"lr = 5e-4": "lr = -5e-4"}),
+    ("zero_lr", "optim.lr", {"lr = 5e-4": "lr = 0.0"}),
     ("int_out_of_range", "data.synthetic.max_operand", {"max_operand = 4": "max_operand = 0"}),
-    ("missing_model_dir", "model.path", {'path = "builtin:tiny-qwen3"': 'path = "/nonexistent/dir"'}),
-    ("unknown_builtin", "model.path", {'path = "builtin:tiny-qwen3"': 'path = "builtin:nope"'}),
+    ("missing_model_dir", "model.path", {'path = "builtin:tiny-qwen3-untied"': 'path = "/nonexistent/dir"'}),
+    ("unknown_builtin", "model.path", {'path = "builtin:tiny-qwen3-untied"': 'path = "builtin:nope"'}),
     ("n_1_with_std", "rollout.n", {"n = 8": "n = 1"}),
     ("unknown_loss_type", "loss.type", {'type = "m2po"': 'type = "ppo"'}),
     ("missing_loss_type", "loss.type", {'type = "m2po"\n': ""}),
@@ -153,8 +153,8 @@ MALFORMED = [
         "data.prompt_template",
         {'prompt_template = "{problem}"': 'prompt_template = "x"'},
     ),
-    ("invalid_toml", None, {"steps = 150": "steps = = 150"}),
-    ("missing_model", "model", {'[model]\npath = "builtin:tiny-qwen3"\n': ""}),
+    ("invalid_toml", None, {"steps = 200": "steps = = 200"}),
+    ("missing_model", "model", {'[model]\npath = "builtin:tiny-qwen3-untied"\n': ""}),
 ]
 
 
@@ -203,8 +203,8 @@ def test_malformed_recipes_fail_with_one_line(tmp_path: Path):
 
 def test_error_messages_show_the_bad_value(tmp_path: Path):
     path = tmp_path / "r.toml"
-    path.write_text(QUICKSTART.read_text().replace("steps = 150", 'steps = "150"'))
-    with pytest.raises(Exception, match=r"run\.steps: must be an integer \(got '150'\)$"):
+    path.write_text(QUICKSTART.read_text().replace("steps = 200", 'steps = "200"'))
+    with pytest.raises(Exception, match=r"run\.steps: must be an integer \(got '200'\)$"):
         load_recipe(path)
     path.write_text(QUICKSTART.read_text().replace("tau = 0.04", "tau = -1.0"))
     with pytest.raises(Exception, match=r"loss\.tau: must be > 0(\.0)? \(got -1\.0\)$"):
@@ -215,7 +215,7 @@ def test_error_messages_show_the_bad_value(tmp_path: Path):
 
 
 def test_override_precedence_and_types():
-    assert load_recipe(QUICKSTART).run.steps == 150  # file beats the default of 100
+    assert load_recipe(QUICKSTART).run.steps == 200  # file beats the default of 100
     r = load_recipe(
         QUICKSTART,
         ["optim.lr=1e-4", "run.name=foo", "rollout.n=4", "logging.wandb=true", "run.steps=7", "run.steps=9"],
