@@ -117,7 +117,7 @@ class RunLog:
                 self.task, completed=step + 1, reward=metrics["rollout/reward_mean"], extra=extra
             )
         else:
-            self.console.print(
+            self.message(
                 f"step {step + 1}/{self.recipe.run.steps} reward {metrics['rollout/reward_mean']:.3f} {extra}"
             )
 
@@ -133,7 +133,7 @@ class RunLog:
         return "  ".join(parts)
 
     def message(self, text: str) -> None:
-        self.console.print(text)
+        self.console.print(text, soft_wrap=True)  # one line, whatever the terminal width
 
     def summary(self) -> str:
         """The closing line: did the reward go up between the first and the last fifth of steps?"""

@@ -50,9 +50,10 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path):
         assert torch.allclose(rank0["state"][name], ref, atol=1e-4, rtol=0), f"sharded != single on {name}"
     # The weights moved, so equality above is not trivial.
     for m_single, m_two in zip(single["metrics"], rank0["metrics"], strict=True):
-        for key in ("loss/num_tokens", "m2po/num_masked", "m2po/m2_before", "m2po/m2_after"):
-            if key in m_single:
-                assert m_two[key] == pytest.approx(m_single[key], abs=1e-5), key
+        assert m_two["loss/num_tokens"] == m_single["loss/num_tokens"]
+        # Second moments of log-ratios of weights equal within 1e-4: equal to a few parts in 1e4.
+        for key in ("m2po/m2_before", "m2po/m2_after"):
+            assert m_two[key] == pytest.approx(m_single[key], rel=1e-3), key
         assert m_two["optim/grad_norm"] == pytest.approx(m_single["optim/grad_norm"], rel=1e-4)
     assert any(m.get("m2po/num_masked", 0) > 0 for m in single["metrics"]), "nothing masked: a weak test"
 

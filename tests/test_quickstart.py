@@ -38,3 +38,27 @@ def test_quickstart_learns(tmp_path):
     assert last - first >= 0.3, f"reward of the first fifth {first:.3f}, of the last fifth {last:.3f}"
     assert "reward, mean over the first" in done.stderr.splitlines()[-1]
     assert (tmp_path / "quickstart" / "export" / "model.safetensors").exists()
+
+    # The quickstart's output goes straight into `m2po eval`, as docs/quickstart.md shows.
+    benchmarks = ROOT.parent / "shared" / "benchmarks"
+    if not benchmarks.is_dir():
+        pytest.skip(f"no benchmark data at {benchmarks}")
+    out = tmp_path / "eval"
+    cmd = [
+        sys.executable,
+        "-m",
+        "m2po_cli",
+        "eval",
+        str(tmp_path / "quickstart"),
+        "--limit",
+        "4",
+        "--protocol",
+        "evals/short-context.toml",
+        "--data-dir",
+        str(benchmarks),
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, env=os.environ, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert list(out.rglob("results.json"))
