@@ -41,13 +41,13 @@ def init_distributed() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():  # before NCCL starts, so each rank's communicator uses its own GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
         dist.init_process_group(backend)
     else:
         store = dist.FileStore(tempfile.mktemp(prefix="m2po-pg-"), 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return dist.get_rank(), dist.get_world_size()
 
 
