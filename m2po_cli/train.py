@@ -46,21 +46,11 @@ def train(recipe: Recipe) -> Path:
         load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step
     )
 
-    first_step = 0
-    last = checkpoint.latest(run_dir) if recipe.checkpoint.resume == "auto" else None
-    if last is not None:
-        loop = checkpoint.load(last, learner)
-        first_step = loop["step"]
-        queue.load_state_dict(loop["queue"])
-        prompts.load_state_dict(loop["data"])
-        if engine is not None:
-            engine.push_weights(learner.hf_state_dict(), learner.version)
-        else:
-            learner.hf_state_dict()  # the gather is a collective
+    first_step = resume(run_dir, recipe, learner, queue, prompts, engine)
     if log is not None:
         log.start(first_step)
-        if last is not None:
-            log.message(f"resumed from {last} (step {first_step}, policy version {learner.version})")
+        if first_step:
+            log.message(f"resumed at step {first_step}, policy version {learner.version}")
     try:
         while not queue.warm:  # warm-up batches: from the initial policy, not counted as steps
             queue.push(
@@ -92,6 +82,25 @@ def train(recipe: Recipe) -> Path:
     if log is not None:
         log.message(log.summary())
     return run_dir
+
+
+def resume(
+    run_dir: Path,
+    recipe: Recipe,
+    learner: Learner,
+    queue: StalenessQueue,
+    prompts: PromptBatches,
+    engine: RolloutEngine | None,
+) -> int:
+    """Restore the run's newest complete checkpoint, if any; return the number of steps done."""
+    last = checkpoint.latest(run_dir) if recipe.checkpoint.resume == "auto" else None
+    if last is None:
+        return 0
+    loop = checkpoint.load(last, learner)
+    queue.load_state_dict(loop["queue"])
+    prompts.load_state_dict(loop["data"])
+    sync_weights(learner, engine)  # the engine still holds the initial weights
+    return loop["step"]
 
 
 def rollout(
