@@ -49,7 +49,7 @@ class Target:
         builtin built from one spec): resolving it first, so a new revision gets fresh results.
         """
         directory = self.model_dir() if self.kind == "hub" else Path(self.path)
-        return _hash(_file_stats(directory))
+        return stable_hash(_file_stats(directory))
 
     def model_dir(self) -> Path:
         """A local HF-format directory with these weights (converted, downloaded or built if needed)."""
@@ -139,7 +139,8 @@ def _file_stats(directory: Path) -> list:
     return stats
 
 
-def _hash(obj: object) -> str:
+def stable_hash(obj: object) -> str:
+    """A short digest of a JSON-able value: cache keys and folder names."""
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
@@ -156,7 +157,7 @@ def export_step(step: Path) -> Path:
     from m2po_cli.models import cache_root
 
     run = step.parent.parent
-    final = cache_root() / "exports" / f"{run.name}-{step.name}-{_hash(_file_stats(step))}"
+    final = cache_root() / "exports" / f"{run.name}-{step.name}-{stable_hash(_file_stats(step))}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

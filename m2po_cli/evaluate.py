@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from m2po_cli.eval_config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
 from m2po_cli.eval_data import EvalProblem, digest
 from m2po_cli.eval_report import markdown_table, rich_table, summarize_benchmark, summarize_target
-from m2po_cli.eval_targets import Target
+from m2po_cli.eval_targets import Target, stable_hash
 from m2po_cli.grader import Grader, extract_boxed
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
@@ -166,7 +166,7 @@ def plan_target(
     plans = []
     for spec in specs:
         template = protocol.prompt_template or spec.prompt_template
-        key = _hash([identity, _sampling(protocol), template, digest(problems[spec.name])])
+        key = stable_hash([identity, _sampling(protocol), template, digest(problems[spec.name])])
         plan = BenchPlan(
             spec,
             problems[spec.name][:limit],
@@ -227,7 +227,7 @@ class EvalEngine:
         self.signature: str | None = None
 
     def load(self, model_dir: Path, max_model_len: int) -> None:
-        signature = _hash([_config_files(model_dir), max_model_len])
+        signature = stable_hash([_config_files(model_dir), max_model_len])
         if self.llm is not None and signature == self.signature:
             self.llm.collective_rpc("m2po_load_weights_from", args=(str(model_dir),))
             self.llm.reset_prefix_cache()  # cached KV was computed by the previous weights
@@ -246,13 +246,12 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     """An in-process `vllm.LLM` for evaluation (the CPU settings of training's engine)."""
     import torch
 
-    from m2po_cli.rollout import build_llm
+    from m2po_cli.rollout import build_llm, resolve_dtype
 
     on_gpu = torch.cuda.is_available()
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     return build_llm(
         model_dir,
-        dtype=dtype,
+        dtype=resolve_dtype(cfg.dtype),
         max_model_len=max_model_len,
         in_process=True,
         kv_cache_gib=cfg.kv_cache_gib,
@@ -360,7 +359,3 @@ def _config_files(model_dir: Path) -> list:
 
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")
-
-
-def _hash(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()

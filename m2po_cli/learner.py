@@ -181,7 +181,7 @@ class Learner:
             current_BL, _ = self.score(batch)
             log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
             aux_BL, global_metrics = loss_fn.prepare(
-                log_ratio_BL, _broadcast_rows(batch), batch.mask_BL, group=dist.group.WORLD
+                log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
             )
             metrics.update(global_metrics)
         additive: dict[str, torch.Tensor] = {}
@@ -198,7 +198,7 @@ class Learner:
             loss, m = loss_fn(
                 lp,
                 part.behaviour_logprobs_BL.to(self.device),
-                _broadcast_rows(part).to(self.device),
+                _advantages_BL(part).to(self.device),
                 part.mask_BL.to(self.device),
                 aux,
                 num_tokens,
@@ -269,7 +269,8 @@ class Learner:
         self.version = state["version"]
 
 
-def _broadcast_rows(batch: Batch) -> torch.Tensor:
+def _advantages_BL(batch: Batch) -> torch.Tensor:
+    """Each row's sequence advantage, repeated along its tokens."""
     return batch.advantages_B[:, None].expand_as(batch.mask_BL)
 
 

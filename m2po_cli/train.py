@@ -20,7 +20,7 @@ from m2po_cli.grader import Grader
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout import RolloutEngine, VLLMEngine
+from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.staleness import RolloutBatch, StalenessQueue
 
@@ -38,7 +38,11 @@ def train(recipe: Recipe) -> Path:
     if rank == 0:
         log = RunLog(run_dir, recipe, learner.world)
         engine = VLLMEngine(
-            model_dir, recipe.rollout, _dtype(recipe), _max_len(recipe), in_process=learner.world == 1
+            model_dir,
+            recipe.rollout,
+            resolve_dtype(recipe.model.dtype),
+            _max_len(recipe),
+            in_process=learner.world == 1,
         )
         grader = Grader()
     tokenizer = _tokenizer(model_dir)
@@ -239,12 +243,6 @@ def _broadcast(batch: RolloutBatch | None) -> RolloutBatch:
 
 def _seed(run_seed: int, index: int) -> int:
     return (run_seed * 1_000_003 + (index + 1_000) * 10_007) % 2**31
-
-
-def _dtype(recipe: Recipe) -> str:
-    if recipe.model.dtype != "auto":
-        return recipe.model.dtype
-    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def _max_len(recipe: Recipe) -> int:
