@@ -330,7 +330,9 @@ def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tenso
 
 def _max_rest(z_BT: Tensor, floor: float, group: dist.ProcessGroup | None) -> Tensor:
     """The largest z in (0, floor] over the batch, 0 if none: the cap below every top value."""
-    rest_BT = torch.where(z_BT <= floor, z_BT, 0.0)
+    # Tokens outside the trust region (z <= 0: padding, A = 0, or r on the wrong side) have no M2 to
+    # cap; keeping their negative z would make the "largest" negative when T is empty.
+    rest_BT = torch.where((z_BT > 0) & (z_BT <= floor), z_BT, 0.0)
     return _all_reduce(rest_BT.amax() if rest_BT.numel() else rest_BT.new_zeros(()), dist.ReduceOp.MAX, group)
 
 

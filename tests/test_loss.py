@@ -76,6 +76,16 @@ def released_rule(log_ratio, advantages, valid, tau):
     return {key for key, value in m2.items() if value >= cap2}, math.sqrt(cap2)
 
 
+def logged_cap_reference(log_ratio, advantages, valid, tau):
+    """`m2po/cap` as the docs define it: the cap when the rule clips; else the largest trust-region
+    |log r|, a cap that clips nothing (0 when the trust region is empty). Never negative."""
+    clipped, cap = released_rule(log_ratio, advantages, valid, tau)
+    if clipped:
+        return cap
+    m2 = trust_region_m2_values(log_ratio, advantages, valid)
+    return math.sqrt(max(m2.values())) if m2 else 0.0
+
+
 def literal_loss(log_ratio, advantages, valid, value_of):
     """-(1 / N) sum over valid tokens of value_of(b, t, r) * A, N = all valid tokens."""
     total, count = [], 0
@@ -184,8 +194,7 @@ def test_m2po_cap_matches_released_rule(batch, num_bins):
         num_valid = max(int(valid.sum()), 1)
         assert round(float(metrics["loss/clip_frac"]) * num_valid) == len(clipped)
         logged_cap = float((prepared if scope == "global" else metrics)["m2po/cap"])
-        if clipped:
-            assert logged_cap == pytest.approx(cap, rel=1e-6)
+        assert logged_cap == pytest.approx(logged_cap_reference(x, a, v, tau), rel=1e-6, abs=1e-12)
 
 
 def test_m2po_and_m2po_cap_mask_different_counts():
@@ -420,6 +429,39 @@ def test_released_micro_batch_scope_does_depend_on_micro_batches():
     _, _, whole, _ = run_micro_batches(M2POCapLoss(), log_ratio, advantages, valid, behaviour, [4])
     _, _, split, _ = run_micro_batches(M2POCapLoss(), log_ratio, advantages, valid, behaviour, [2, 2])
     assert whole["loss/clip_frac"] != split["loss/clip_frac"]
+
+
+def test_logged_cap_is_zero_without_trust_region_tokens():
+    """Two tokens, neither in the trust region: nothing to cap, so the logged cap is 0 (not -0.2)."""
+    log_ratio, advantages = torch.tensor([[-0.5], [0.2]]), torch.tensor([[1.0], [-1.0]])
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    for scope in ("micro_batch", "global"):
+        _, _, metrics, _, prepared = run_whole(M2POCapLoss(scope=scope), log_ratio, advantages, valid)
+        assert float((prepared if scope == "global" else metrics)["m2po/cap"]) == 0.0
+
+
+@settings(deadline=None, max_examples=200)
+@given(batches(), st.integers(0, 2**31))
+def test_logged_cap_per_micro_batch_is_the_token_weighted_applied_cap(batch, split_seed):
+    """Micro-batch scope: `m2po/cap` sums, over micro-batches, each one's share of the valid tokens
+    times the cap it applied (its largest trust-region |log r| when it clips nothing); never < 0."""
+    log_ratio, advantages, valid, tau = batch
+    rows = log_ratio.shape[0]
+    g = torch.Generator().manual_seed(split_seed)
+    cuts = sorted(set(torch.randint(1, rows + 1, (3,), generator=g).tolist()) | {rows})
+    sizes = [b - a for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+    behaviour = torch.zeros_like(log_ratio)
+    _, _, metrics, _ = run_micro_batches(
+        M2POCapLoss(tau=tau), log_ratio, advantages, valid, behaviour, sizes
+    )
+    num_valid, expected, start = max(int(valid.sum()), 1), 0.0, 0
+    for size in sizes:
+        part = slice(start, start + size)
+        x, a, v = log_ratio[part].tolist(), advantages[part].tolist(), valid[part].tolist()
+        expected += int(valid[part].sum()) / num_valid * logged_cap_reference(x, a, v, tau)
+        start += size
+    assert metrics["m2po/cap"] >= 0
+    assert metrics["m2po/cap"] == pytest.approx(expected, rel=1e-5, abs=1e-9)
 
 
 # --- wiring ----------------------------------------------------------------------------------------
