@@ -2,63 +2,195 @@
 
 `<run>/checkpoints/step-NNNNNN/` holds the DCP shards of model and optimizer (every rank writes its
 own), and `loop.pt` (rank 0): the step, the learner's version and LR schedule, the staleness FIFO,
-the data position and the RNG states. A `COMPLETE` file is written last; a folder without it (a run
-killed mid-save) is ignored on resume. HF exports live outside `checkpoints/`.
+the data position and the RNG states. Then rank 0 writes `MANIFEST.json` (every file of the folder
+with its size), syncs the files and the folder to disk, and writes `COMPLETE` last.
+
+A step counts only if it verifies (`verify`): `COMPLETE` is there, every file of the manifest has its
+size, every file DCP's `.metadata` names holds the bytes it points at, and the loop state loads.
+Resume takes the newest step that verifies and says which newer ones it skipped, so a damaged
+checkpoint costs the steps since the one before it, never the run. HF exports live outside
+`checkpoints/`. torch is imported inside the functions that need it: `m2po eval` lists steps without it.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from typing import Any
 
 STEP_PREFIX = "step-"
+DONE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+LOOP = "loop.pt"
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
 
 
-def latest(run_dir: Path) -> Path | None:
+def complete_steps(run_dir: Path) -> list[Path]:
+    """The run's step folders that pass `check_files`, oldest first."""
     root = run_dir / "checkpoints"
-    done = (
-        sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / "COMPLETE").exists()) if root.exists() else []
-    )
-    return done[-1] if done else None
+    steps = sorted(root.glob(f"{STEP_PREFIX}*")) if root.is_dir() else []
+    return [p for p in steps if check_files(p) is None]
+
+
+def check_files(path: Path) -> str | None:
+    """Why the step folder is not complete on disk (no torch needed), or None when it is."""
+    if not (path / DONE).is_file():
+        return f"no {DONE} file (killed while saving?)"
+    manifest = path / MANIFEST
+    if not manifest.is_file():  # written by every save before COMPLETE
+        return f"{MANIFEST} is missing"
+    try:
+        sizes = json.loads(manifest.read_text())
+    except json.JSONDecodeError:
+        return f"{MANIFEST} is corrupt"
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def verify(path: Path) -> str | None:
+    """Why the step cannot be resumed from, or None when it can (see the module docstring)."""
+    problem = check_files(path)
+    if problem is not None:
+        return problem
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a truncated or garbled pickle raises whatever it raises
+        return f".metadata does not load ({type(e).__name__})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size < size:
+            return f"{name} has {f.stat().st_size} bytes, .metadata needs {size}"
+    try:
+        read_loop(path)
+    except Exception as e:
+        return f"{LOOP} does not load ({type(e).__name__})"
+    return None
+
+
+def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest step that verifies, and the newer ones skipped with why; a collective.
+
+    Rank 0 decides and the others take its answer, so every rank loads the same step.
+    """
+    import torch.distributed as dist
+
+    answer: list[Any] = [None]
+    if dist.get_rank() == 0:
+        root = run_dir / "checkpoints"
+        skipped = []
+        for path in sorted(root.glob(f"{STEP_PREFIX}*"), reverse=True) if root.is_dir() else []:
+            problem = verify(path)
+            if problem is None:
+                answer = [(path, skipped)]
+                break
+            if (path / DONE).exists():  # a folder without COMPLETE is a save cut short: no news
+                skipped.append((path, problem))
+        else:
+            answer = [(None, skipped)]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
 
 
 def save(run_dir: Path, step: int, learner, loop_state: dict, keep: int) -> Path:
     """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     path = step_dir(run_dir, step)
-    dcp.save(learner.state_dict(), checkpoint_id=str(path))
+    dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
     if dist.get_rank() == 0:
         state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
-        torch.save(state, path / "loop.pt")
-        (path / "COMPLETE").write_text(f"{step}\n")
-        done = sorted(p for p in path.parent.glob(f"{STEP_PREFIX}*") if (p / "COMPLETE").exists())
+        torch.save(state, path / LOOP)
+        _seal(path, step)
+        done = complete_steps(path.parent.parent)
         for old in done[:-keep]:
             shutil.rmtree(old)
     dist.barrier()
     return path
 
 
+def _seal(path: Path, step: int) -> None:
+    """Manifest, fsync of every file and of the folder, then COMPLETE (itself synced)."""
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.name not in (MANIFEST, DONE))
+    for f in files:
+        _fsync(f)
+    _write_synced(path / MANIFEST, json.dumps({f.name: f.stat().st_size for f in files}, indent=1) + "\n")
+    _fsync(path)
+    _write_synced(path / DONE, f"{step}\n")
+    _fsync(path)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_loop(path: Path) -> dict:
+    """The loop state saved beside the shards."""
+    import torch
+
+    return torch.load(path / LOOP, weights_only=False)
+
+
 def load(path: Path, learner) -> dict:
     """Restore the learner in place; return the loop state saved beside it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     state = learner.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     learner.load_state_dict(state)
-    loop = torch.load(path / "loop.pt", weights_only=False)
+    loop = read_loop(path)
     learner.load_extra_state(loop["learner"])
     torch.set_rng_state(loop["rng"])
     return loop
 
 
-def load_model(path: Path, learner) -> None:
-    """Restore only the learner's model weights from a saved step (no optimizer state, no loop state)."""
-    state = {"model": get_model_state_dict(learner.model)}
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(learner.model, state["model"])
+def read_model(path: Path) -> dict:
+    """The model weights of a saved step as plain full tensors (torchtitan names), in this process.
+
+    Reads only the model's entries (not the optimizer state) into tensors allocated from `.metadata`:
+    no learner, no process group, and one copy of the weights in memory.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    model = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    return model

@@ -20,21 +20,26 @@ def main() -> None:
 @click.option(
     "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe key (repeatable)."
 )
-@click.option("--dry-run", is_flag=True, help="Print the fully resolved recipe and exit.")
+@click.option(
+    "--dry-run", is_flag=True, help="Check the recipe and its local prompt set; print the resolved recipe."
+)
 def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Train with a TOML RECIPE (run under torchrun for several processes)."""
+    from m2po_cli.data import DataError, is_hub, load_problems
+
     try:
         resolved = load_recipe(recipe, list(overrides))
-    except ConfigError as e:
+        # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
+        problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data)
+    except (ConfigError, DataError) as e:
         _fail(str(e))
     if dry_run:
         click.echo(to_toml(resolved), nl=False)
         return
-    from m2po_cli.data import DataError
     from m2po_cli.train import train as run_training
 
     try:
-        run_training(resolved)
+        run_training(resolved, problems)
     except DataError as e:
         _fail(str(e))
 

@@ -25,6 +25,17 @@ SYNTHETIC_SOURCES = ("synthetic:arithmetic",)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def check_template(template: str, key: str) -> None:
+    """The prompt-template rule of recipes and eval configs: `template.format(problem=...)` must work
+    with `problem` alone; literal braces are written `{{` and `}}`. Raises ValueError("key: ...")."""
+    if "{problem}" not in template:
+        raise ValueError(f"{key}: must contain {{problem}}")
+    try:
+        template.format(problem="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{key}: {e!r}; write literal braces as {{{{ and }}}}") from None
+
+
 class ConfigError(Exception):
     """A user-fixable recipe problem: `file: key.path: message`."""
 
@@ -57,7 +68,8 @@ class ModelConfig(Table):
     )
     dtype: Literal["auto", "float32", "bfloat16"] = field(
         "auto",
-        "Parameter dtype for rollouts and the learner's mixed precision; auto is float32 on CPU, bfloat16 on GPU.",
+        "Dtype of rollouts and of the learner's matmuls (master weights stay float32); auto is float32 "
+        "on CPU, bfloat16 on GPU. The HF export is bfloat16 only when this is bfloat16.",
     )
 
     @model_validator(mode="after")
@@ -113,8 +125,7 @@ class DataConfig(Table):
             raise ValueError(
                 f"source: {s!r} is neither a .jsonl/.json/.parquet file, a hub id nor synthetic:arithmetic"
             )
-        if "{problem}" not in self.prompt_template:
-            raise ValueError("prompt_template: must contain {problem}")
+        check_template(self.prompt_template, "prompt_template")
         return self
 
 

@@ -59,6 +59,11 @@ def load_problems(cfg: DataConfig) -> list[Problem]:
     return [_to_problem(i, rec, cfg) for i, rec in enumerate(records)]
 
 
+def is_hub(cfg: DataConfig) -> bool:
+    """True when `cfg.source` is a hub dataset (reading it needs the network), not a file or a task."""
+    return not cfg.source.startswith("synthetic:") and not cfg.source.endswith((".jsonl", ".json", ".parquet"))
+
+
 def synthetic_arithmetic(cfg: SyntheticConfig, seed: int) -> list[Problem]:
     """`num_problems` sums such as `3+4` of `num_operands` integers in [0, max_operand]; answer the sum."""
     rng = random.Random(f"synthetic:arithmetic:{seed}")
@@ -75,20 +80,34 @@ def _read_records(cfg: DataConfig) -> list[Any]:
     if source.endswith(".jsonl"):
         return _read_jsonl(path)
     if source.endswith(".json"):
-        records = json.loads(path.read_text())
+        try:
+            records = json.loads(_text(path))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{source}: invalid JSON: {e}") from None
         if not isinstance(records, list):
             raise DataError(f"{source}: expected a JSON list of records, got {type(records).__name__}")
         return records
     if source.endswith(".parquet"):
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except pyarrow.ArrowException as e:
+            raise DataError(f"{source}: not a readable parquet file: {str(e).splitlines()[0]}") from None
     return _read_hub(cfg)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}); expected JSON") from None
 
 
 def _read_jsonl(path: Path) -> list[Any]:
     records = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -166,10 +185,6 @@ class PromptBatches:
             raise DataError(
                 f"{cfg.source}: {len(problems)} problems, fewer than prompts_per_step={prompts_per_step}"
             )
-        try:
-            cfg.prompt_template.format(problem="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise DataError(f"data.prompt_template: {e!r}; write literal braces as {{{{ and }}}}") from None
         self.problems, self.tokenizer, self.cfg = problems, tokenizer, cfg
         self.prompts_per_step = prompts_per_step
         self.epoch = self.position = 0

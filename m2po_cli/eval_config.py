@@ -27,6 +27,7 @@ from m2po_cli.config import (
     Table,
     _set_path,
     _show,
+    check_template,
     field,
     parse_override,
 )
@@ -119,16 +120,6 @@ class BenchmarkSpec(Table):
     def _check_template(self) -> BenchmarkSpec:
         check_template(self.prompt_template, "prompt_template")
         return self
-
-
-def check_template(template: str, key: str) -> None:
-    """A template must format with `problem=` alone; literal braces are written `{{` and `}}`."""
-    if "{problem}" not in template:
-        raise ValueError(f"{key}: must contain {{problem}}")
-    try:
-        template.format(problem="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{key}: {e!r}; write literal braces as {{{{ and }}}}") from None
 
 
 # --- loading -------------------------------------------------------------------------------------

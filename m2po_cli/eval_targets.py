@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from m2po_cli import checkpoint
 from m2po_cli.config import BUILTIN_MODELS, HUB_ID
-
-STEP_DONE = "COMPLETE"
 
 
 class TargetError(Exception):
@@ -86,10 +85,9 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
     if _is_run(path):
         return _run_targets(path, all_checkpoints)
     if path.parent.name == "checkpoints" and _is_run(path.parent.parent):
-        if not (path / STEP_DONE).exists():
-            raise TargetError(
-                f"{arg}: incomplete checkpoint (no {STEP_DONE} file; was the run killed while saving?)"
-            )
+        problem = checkpoint.check_files(path)
+        if problem is not None:
+            raise TargetError(f"{arg}: incomplete checkpoint: {problem}")
         return [Target(f"{path.parent.parent.name}/{path.name}", "step", str(path))]
     if (path / "config.json").is_file():
         if not any(path.glob("*.safetensors")):
@@ -108,10 +106,7 @@ def _is_run(path: Path) -> bool:
 
 def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
     if all_checkpoints:
-        from m2po_cli.checkpoint import STEP_PREFIX  # imports torch: only here, not for a typo'd path
-
-        root = run / "checkpoints"
-        steps = sorted(p for p in root.glob(f"{STEP_PREFIX}*") if (p / STEP_DONE).exists())
+        steps = checkpoint.complete_steps(run)
         if not steps:
             raise TargetError(f"{run}: no complete checkpoint under checkpoints/")
         return [Target(f"{run.name}/{p.name}", "step", str(p)) for p in steps]
@@ -150,8 +145,8 @@ def stable_hash(obj: object) -> str:
 def export_step(step: Path) -> Path:
     """The HF export of a saved step, converted on first use into `$M2PO_CACHE/exports/`.
 
-    The run's `config.toml` rebuilds its learner (one process); only the model part of the DCP
-    checkpoint is read, not the optimizer state. Written to a temporary directory and renamed into
+    The run's `config.toml` names the base model, whose config maps the DCP checkpoint's model
+    entries (not the optimizer state) to HF names; no learner is built. Written to a temporary directory and renamed into
     place, so a killed conversion leaves nothing that looks finished.
     """
     from m2po_cli.models import cache_root
@@ -174,23 +169,14 @@ def export_step(step: Path) -> Path:
 
 
 def _convert(step: Path, run: Path, out: Path) -> None:
-    import gc
-
-    import torch
-
-    from m2po_cli import checkpoint
     from m2po_cli.config import load_recipe
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner import write_hf
     from m2po_cli.models import resolve_model
+    from m2po_cli.titan import load_arch
 
     # The data source is irrelevant to the weights and may not exist where eval runs (a relative
     # path, a moved file): replace it so that validation does not stop on it.
     recipe = load_recipe(run / "config.toml", ['data.source="synthetic:arithmetic"'])
     base = resolve_model(recipe.model.path)
-    learner = Learner(base, recipe)
-    checkpoint.load_model(step, learner)
-    learner.export_hf(out, base)
-    del learner
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    hf_state = load_arch(base).adapter.to_hf(checkpoint.read_model(step))
+    write_hf(out, hf_state, base, recipe.model.dtype)

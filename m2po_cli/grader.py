@@ -34,8 +34,13 @@ from types import FrameType
 
 # One token per backslash escape, brace or box opener, so a single left-to-right pass finds every
 # balanced box. `\{` and `\}` are literal braces in TeX, not groups: `\left\{ ... \right.` inside a
-# box must not unbalance it.
-_TOKENS = re.compile(r"(?P<box>\\boxed\s*\{)|(?P<esc>\\.)|(?P<open>\{)|(?P<close>\})", re.DOTALL)
+# box must not unbalance it. A bare box, `\boxed 12`, holds one word: commands, characters and
+# brace groups one level deep (`\frac{1}{2}`), up to a space, a `$` or a brace of the text around it.
+_BARE_WORD = r"(?:\\[A-Za-z]+|\{[^{}$]*\}|[^\s${}\\])+"
+_TOKENS = re.compile(
+    rf"(?P<box>\\boxed\s*\{{)|\\boxed[ \t]+(?P<bare>{_BARE_WORD})|(?P<esc>\\.)|(?P<open>\{{)|(?P<close>\}})",
+    re.DOTALL,
+)
 
 _WORKER_START_S = 300.0  # spawn + importing sympy can be slow on a loaded machine
 
@@ -48,8 +53,9 @@ def extract_boxed(text: str) -> str | None:
     """Content of the last balanced `\\boxed{...}` in `text` ("last" = the one opened last).
 
     Braces are matched, so nested groups are kept whole; a box whose brace never closes is
-    ignored. `\\boxed {x}` (space before the brace) counts. Returns None when no box is balanced.
-    One regex pass: linear in len(text).
+    ignored. `\\boxed {x}` (space before the brace) counts, and so does a bare `\\boxed 12`, whose
+    content is the one word after the space (trailing `.` or `,` dropped). Returns None when no box
+    is balanced. One regex pass: linear in len(text).
     """
     open_boxes: list[tuple[int, int]] = []  # (brace depth outside the box, content start)
     depth = 0
@@ -59,6 +65,11 @@ def extract_boxed(text: str) -> str | None:
         if kind == "box":
             open_boxes.append((depth, m.end()))
             depth += 1
+        elif kind == "bare":
+            start, end = m.span("bare")
+            end -= len(m.group("bare")) - len(m.group("bare").rstrip(".,"))
+            if last is None or start > last[0]:
+                last = (start, end)
         elif kind == "open":
             depth += 1
         elif kind == "close" and depth > 0:  # a stray `}` at depth 0 closes nothing

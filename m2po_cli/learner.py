@@ -11,8 +11,10 @@ log pi(token_t | tokens_<t) at the sampling temperature (t = 0 is 0); `mask_BL` 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
+from m2po_cli.rollout import resolve_dtype
 from m2po_cli.titan import ModelArch, load_arch
 
 
@@ -46,7 +49,10 @@ def init_distributed() -> tuple[int, int]:
     if "RANK" in os.environ:
         dist.init_process_group(backend)
     else:
-        store = dist.FileStore(tempfile.mktemp(prefix="m2po-pg-"), 1)
+        # A private folder for the store's file, removed at exit (FileStore leaves its file behind).
+        store_dir = tempfile.mkdtemp(prefix="m2po-pg-")
+        atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
+        store = dist.FileStore(os.path.join(store_dir, "store"), 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
@@ -109,7 +115,8 @@ class Learner:
         with torch.device("meta"):
             model = self.arch.build()
         mesh = init_device_mesh(self.device.type, (self.world,))
-        bf16 = self.device.type == "cuda" and self.recipe.model.dtype != "float32"
+        # The engine samples in this dtype; the learner computes in it (master weights stay float32).
+        bf16 = resolve_dtype(self.recipe.model.dtype) == "bfloat16"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
         if self.recipe.train.activation_checkpointing == "full":
@@ -240,14 +247,8 @@ class Learner:
     def export_hf(self, out_dir: Path, model_dir: Path) -> None:
         """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes)."""
         state = self.hf_state_dict()
-        if self.rank != 0:
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dtype = torch.bfloat16 if self.recipe.model.dtype == "bfloat16" else torch.float32
-        save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".index.json", ".bin", ".gguf")):
-                (out_dir / f.name).write_bytes(f.read_bytes())
+        if self.rank == 0:
+            write_hf(out_dir, state, model_dir, self.recipe.model.dtype)
 
     # --- checkpoint state -------------------------------------------------------------------------
 
@@ -267,6 +268,22 @@ class Learner:
     def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
+
+
+def export_dtype(choice: str) -> str:
+    """The dtype of HF exports: bfloat16 only when asked for; `auto` exports the float32 master
+    weights, so an export does not depend on the machine that wrote it."""
+    return "bfloat16" if choice == "bfloat16" else "float32"
+
+
+def write_hf(out_dir: Path, hf_state: dict[str, torch.Tensor], model_dir: Path, dtype_choice: str) -> None:
+    """`hf_state` as `model.safetensors` beside the source model's config and tokenizer files."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, export_dtype(dtype_choice))
+    save_file({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"))
+    for f in Path(model_dir).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".index.json", ".bin", ".gguf")):
+            (out_dir / f.name).write_bytes(f.read_bytes())
 
 
 def _advantages_BL(batch: Batch) -> torch.Tensor:

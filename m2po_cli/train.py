@@ -7,6 +7,7 @@ the two alternate); every rank trains its slice of each optimizer batch; rank 0 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from m2po_cli import checkpoint
 from m2po_cli.advantages import grpo_advantages
 from m2po_cli.config import Recipe
-from m2po_cli.data import PromptBatches, load_problems
+from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.grader import Grader
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
@@ -25,37 +26,46 @@ from m2po_cli.runlog import RunLog
 from m2po_cli.staleness import RolloutBatch, StalenessQueue
 
 
-def train(recipe: Recipe) -> Path:
-    """Run a recipe to completion (resuming from the run's last checkpoint); return the run dir."""
+def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
+    """Run a recipe to completion (resuming from the run's last checkpoint); return the run dir.
+
+    `problems` is the loaded prompt set when the caller has already read it (the CLI checks it first).
+    """
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     model_dir = resolve_model(recipe.model.path)
-    learner = Learner(model_dir, recipe)
-    rank = learner.rank
-    torch.manual_seed(recipe.run.seed)
-    loss_fn = build_loss(recipe.loss)
-    queue = StalenessQueue(recipe.queue_batches)
-    engine = grader = log = None
-    if rank == 0:
-        log = RunLog(run_dir, recipe, learner.world)
-        engine = VLLMEngine(
-            model_dir,
-            recipe.rollout,
-            resolve_dtype(recipe.model.dtype),
-            _max_len(recipe),
-            in_process=learner.world == 1,
-        )
-        grader = Grader()
-    tokenizer = _tokenizer(model_dir)
+    # Cheap checks before anything expensive starts: the prompt set loads and renders.
     prompts = PromptBatches(
-        load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step
+        load_problems(recipe.data) if problems is None else problems,
+        _tokenizer(model_dir),
+        recipe.data,
+        recipe.rollout.prompts_per_step,
     )
-
-    first_step = resume(run_dir, recipe, learner, queue, prompts, engine)
-    if log is not None:
-        log.start(first_step)
-        if first_step:
-            log.message(f"resumed at step {first_step}, policy version {learner.version}")
+    stack = ExitStack()  # closes what set-up started, whichever step fails
     try:
+        learner = Learner(model_dir, recipe)
+        rank = learner.rank
+        torch.manual_seed(recipe.run.seed)
+        loss_fn = build_loss(recipe.loss)
+        queue = StalenessQueue(recipe.queue_batches)
+        engine = grader = log = None
+        if rank == 0:
+            log = RunLog(run_dir, recipe, learner.world)
+            stack.callback(log.close)
+            engine = VLLMEngine(
+                model_dir,
+                recipe.rollout,
+                resolve_dtype(recipe.model.dtype),
+                _max_len(recipe),
+                in_process=learner.world == 1,
+            )
+            stack.callback(engine.close)
+            grader = stack.enter_context(Grader())
+
+        first_step = resume(run_dir, recipe, learner, queue, prompts, engine, log)
+        if log is not None:
+            log.start(first_step)
+            if first_step:
+                log.message(f"resumed at step {first_step}, policy version {learner.version}")
         while not queue.warm:  # warm-up batches: from the initial policy, not counted as steps
             queue.push(
                 rollout(engine, grader, prompts, learner, recipe, len(queue.queue) - recipe.queue_batches)
@@ -79,10 +89,7 @@ def train(recipe: Recipe) -> Path:
         if recipe.checkpoint.export_hf:
             learner.export_hf(run_dir / "export", model_dir)
     finally:
-        if rank == 0:
-            log.close()
-            engine.close()
-            grader.close()
+        stack.close()
     if log is not None:
         log.message(log.summary())
     return run_dir
@@ -95,9 +102,15 @@ def resume(
     queue: StalenessQueue,
     prompts: PromptBatches,
     engine: RolloutEngine | None,
+    log: RunLog | None,
 ) -> int:
-    """Restore the run's newest complete checkpoint, if any; return the number of steps done."""
-    last = checkpoint.latest(run_dir) if recipe.checkpoint.resume == "auto" else None
+    """Restore the run's newest checkpoint that verifies, if any; return the number of steps done."""
+    if recipe.checkpoint.resume != "auto":
+        return 0
+    last, skipped = checkpoint.choose(run_dir)
+    for path, problem in skipped:
+        if log is not None:
+            log.message(f"skipping damaged checkpoint {path}: {problem}")
     if last is None:
         return 0
     loop = checkpoint.load(last, learner)
@@ -164,10 +177,9 @@ def train_on(
     """All optimizer updates of one rollout batch; the engine gets the weights after each."""
     advantages = grpo_advantages(batch.rewards_PG, recipe.algorithm.normalize_std, recipe.algorithm.std_eps)
     advantages = advantages.flatten()
-    n = recipe.rollout.n
-    per_update = (recipe.train.mini_batch_prompts or recipe.rollout.prompts_per_step) * n
+    num_updates = recipe.updates_per_step
+    per_update = len(batch.responses) // num_updates
     totals: dict[str, float] = {}
-    num_updates = len(batch.responses) // per_update
     for u in range(num_updates):
         rows = range(u * per_update, (u + 1) * per_update)
         mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()

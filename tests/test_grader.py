@@ -44,10 +44,57 @@ def pool():
         (r"} } \boxed{3}}", "3"),
         ("答案是 \\boxed{π/2} ✓ — fin", "π/2"),
         ("\\boxed{\n12\n}", "\n12\n"),
+        (r"\boxed 12", "12"),  # bare: one word
+        (r"so \boxed 12. Done", "12"),
+        (r"\boxed \frac{1}{2}$ end", r"\frac{1}{2}"),
+        (r"\boxed{7} or rather \boxed -8, done", "-8"),
+        (r"\boxed{a \boxed b}", "b"),
+        (r"\boxed ", None),
     ],
 )
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
+
+
+def _released_extract(text: str) -> str | None:
+    """M2PO's released extractor, restated from its behaviour (verl's `last_boxed_only_string` and
+    `remove_boxed`): any `\\boxed ` (with a space) wins, its content running from the last one to
+    the next `$`; otherwise the last `\\boxed` with every `{`/`}` character counted (`\\{` too),
+    and None when that box never closes."""
+    if "\\boxed " in text:
+        return text.split("\\boxed ")[-1].split("$")[0]
+    start = text.rfind("\\boxed{")
+    depth = 0
+    for i in range(max(start, 0), len(text)) if start >= 0 else ():
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if text[i] == "}" and depth == 0:
+            return text[start + len("\\boxed{") : i]
+    return None
+
+
+# (response, released extractor, ours): where they agree, and every difference docs/eval.md lists.
+RELEASED = [
+    (r"\boxed 12", "12", "12"),
+    (r"\boxed{12}", "12", "12"),
+    (r"\boxed{1} then \boxed 12$ and more", "12", "12"),
+    (r"\boxed 5 wait, no: \boxed{12}", r"5 wait, no: \boxed{12}", "12"),  # an earlier bare box swallows
+    (r"\boxed 12.", "12.", "12"),
+    (r"\boxed{1} then \boxed{2", None, "1"),  # unbalanced last box
+    (r"\boxed{\left\{ x \right.}", None, r"\left\{ x \right."),  # \{ counted as a group
+]
+
+
+@pytest.mark.parametrize("text, released, ours", RELEASED)
+def test_extraction_against_the_released_extractor(text, released, ours):
+    assert _released_extract(text) == released
+    assert extract_boxed(text) == ours
+
+
+def test_bare_box_scores_like_the_released_grader():
+    assert grade(r"The answer is \boxed 12", "12") == 1.0
+    assert grade(r"The answer is \boxed 12.", "12") == 1.0
+    assert grade(r"\boxed 5 wait, no: \boxed{12}", "12") == 1.0  # the released grader: 0
+    assert grade(r"The answer is \boxed 13", "12") == 0.0
 
 
 def test_extract_boxed_is_linear_on_100k_characters():

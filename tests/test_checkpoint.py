@@ -1,0 +1,127 @@
+"""Checkpoints on the real learner: every save is sealed, and a damaged newest step never blocks a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from m2po_cli import checkpoint
+from m2po_cli.cli import main
+from m2po_cli.data import PromptBatches, load_problems
+from m2po_cli.learner import Learner
+from m2po_cli.models import resolve_model
+from m2po_cli.runlog import RunLog
+from m2po_cli.staleness import StalenessQueue
+from m2po_cli.train import resume
+from tests.conftest import recipe_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A learner on the tiny builtin, its recipe and prompt batches (no engine)."""
+    from transformers import AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("ckpt")
+    base = resolve_model("builtin:tiny-qwen3")
+    recipe = recipe_for(tmp, 'run.name="tiny"', f'model.path="{base}"', "checkpoint.keep=5")
+    prompts = PromptBatches(
+        load_problems(recipe.data), AutoTokenizer.from_pretrained(str(base)), recipe.data, 32
+    )
+    return Learner(base, recipe), recipe, prompts
+
+
+def _save_steps(run: Path, learner: Learner, prompts: PromptBatches, steps: list[int]) -> dict[int, dict]:
+    """Save each step with distinct weights and data position; return each step's model weights."""
+    weights = {}
+    for step in steps:
+        with torch.no_grad():
+            for p in learner.model.parameters():
+                p.to_local().add_(0.1)
+        next(prompts)
+        loop = {"step": step, "queue": StalenessQueue(0).state_dict(), "data": prompts.state_dict()}
+        checkpoint.save(run, step, learner, loop, keep=5)
+        weights[step] = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+    return weights
+
+
+def test_a_save_is_sealed_by_a_manifest_of_every_file(tiny, tmp_path):
+    learner, _, prompts = tiny
+    _save_steps(tmp_path, learner, prompts, [1])
+    step = checkpoint.step_dir(tmp_path, 1)
+    manifest = json.loads((step / checkpoint.MANIFEST).read_text())
+    on_disk = {p.name for p in step.iterdir()} - {checkpoint.MANIFEST, checkpoint.DONE}
+    assert set(manifest) == on_disk and {".metadata", "loop.pt", "__0_0.distcp"} <= on_disk
+    assert all((step / name).stat().st_size == size for name, size in manifest.items())
+    assert checkpoint.verify(step) is None
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "shard missing": (lambda s: (s / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+    "loop state missing": (lambda s: (s / "loop.pt").unlink(), "loop.pt is missing"),
+    "metadata missing": (lambda s: (s / ".metadata").unlink(), ".metadata is missing"),
+    "shard truncated": (lambda s: _truncate(s / "__0_0.distcp"), "__0_0.distcp has"),
+    "no manifest": (lambda s: (s / checkpoint.MANIFEST).unlink(), "MANIFEST.json is missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_resume_falls_back_past_a_damaged_newest_step(tiny, tmp_path, capsys, kind):
+    learner, recipe, prompts = tiny
+    run = tmp_path / "tiny"
+    weights = _save_steps(run, learner, prompts, [2, 4])
+    position_at_2 = torch.load(checkpoint.step_dir(run, 2) / "loop.pt", weights_only=False)["data"]
+    damage, reason = DAMAGE[kind]
+    damage(checkpoint.step_dir(run, 4))
+    assert reason in checkpoint.verify(checkpoint.step_dir(run, 4))
+
+    log = RunLog(run, recipe, 1)
+    done = resume(run, recipe, learner, StalenessQueue(0), prompts, None, log)
+    assert done == 2
+    assert prompts.state_dict() == position_at_2
+    restored = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
+    assert all(torch.equal(restored[k], weights[2][k]) for k in restored)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert "step-000004" in line and reason in line
+
+
+def test_a_step_without_complete_is_ignored_quietly(tiny, tmp_path, capsys):
+    learner, recipe, prompts = tiny
+    run = tmp_path / "tiny"
+    _save_steps(run, learner, prompts, [2, 4])
+    (checkpoint.step_dir(run, 4) / checkpoint.DONE).unlink()  # killed while saving
+    assert resume(run, recipe, learner, StalenessQueue(0), prompts, None, RunLog(run, recipe, 1)) == 2
+    assert capsys.readouterr().err.strip() == ""
+
+
+def test_eval_rejects_a_damaged_step_in_one_line(tiny, tmp_path):
+    learner, recipe, prompts = tiny
+    run = tmp_path / "tiny"
+    _save_steps(run, learner, prompts, [2])
+    (run / "config.toml").write_text("")  # marks a run directory
+    (checkpoint.step_dir(run, 2) / "loop.pt").unlink()
+    result = CliRunner().invoke(main, ["eval", str(checkpoint.step_dir(run, 2))])
+    assert result.exit_code == 2
+    assert (
+        result.output.strip() == f"{checkpoint.step_dir(run, 2)}: incomplete checkpoint: loop.pt is missing"
+    )
+
+
+def test_a_one_process_group_leaves_nothing_in_tmpdir(tmp_path):
+    code = "from m2po_cli.learner import init_distributed; init_distributed()"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    env.pop("RANK", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
+    assert list(tmp_path.iterdir()) == []
