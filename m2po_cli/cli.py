@@ -101,6 +101,30 @@ def eval_(
     run(targets, specs, problems, cfg, Path(out), limit, Console(stderr=True))
 
 
+@main.group()
+def inspect() -> None:
+    """Look at what a run recorded (reads the run directory; never starts vLLM or builds a model)."""
+
+
+@inspect.command()
+@click.argument("run_dir", required=False, metavar="[RUN_DIR]")
+@click.option("--steps", metavar="A:B", help="Only the steps A <= step < B (either end may be left out).")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of tables.")
+@click.option("--plot", "plot_dir", metavar="DIR", help="Write PNG figures into DIR.")
+def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str | None) -> None:
+    """The importance ratios a run recorded, and what each clip or mask rule does to them.
+
+    RUN_DIR defaults to the newest run under ./runs.
+    """
+    from m2po_cli.inspection import ratios as run_ratios
+    from m2po_cli.record import RecordError
+
+    try:
+        run_ratios(run_dir, steps, as_json, plot_dir)
+    except RecordError as e:
+        _fail(str(e))
+
+
 def _fail(message: str) -> None:
     click.echo(message, err=True)
     sys.exit(2)

@@ -255,6 +255,20 @@ class CheckpointConfig(Table):
     export_hf: bool = field(True, "Export the final policy as HF safetensors to `<run>/export`.")
 
 
+class InspectConfig(Table):
+    every: int = field(
+        50,
+        "Record a sample of token-level data for `m2po inspect` every this many steps; 0 records none.",
+        ge=0,
+    )
+    tokens: int = field(
+        4096,
+        "Response tokens recorded per update of a recorded step (whole sequences sampled at random, at "
+        "least one); 0 records every sequence.",
+        ge=0,
+    )
+
+
 class LoggingConfig(Table):
     wandb: bool = field(False, "Log metrics to Weights & Biases.")
     wandb_project: str = field("m2po", "W&B project.")
@@ -278,6 +292,7 @@ class Recipe(Table):
     staleness: StalenessConfig = field(StalenessConfig(), "Staleness injection.")
     checkpoint: CheckpointConfig = field(CheckpointConfig(), "Checkpoints and export.")
     logging: LoggingConfig = field(LoggingConfig(), "Metrics sinks.")
+    inspect: InspectConfig = field(InspectConfig(), "Token-level records for `m2po inspect`.")
 
     @model_validator(mode="after")
     def _check_cross(self) -> Recipe:

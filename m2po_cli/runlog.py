@@ -5,6 +5,7 @@ Layout of `runs/<name>/`:
     meta.json          versions, git revision, command line, world size
     metrics.jsonl      one JSON object per step
     checkpoints/       DCP checkpoints, `step-NNNNNN/` (see checkpoint.py)
+    inspect/           token-level records for `m2po inspect`, `step-NNNNNN.safetensors` (see record.py)
     export/            HF safetensors export of the final policy
     wandb/             the W&B run folder, when logging.wandb is on
 """
@@ -124,10 +125,9 @@ class RunLog:
     @staticmethod
     def _headline(m: dict[str, float]) -> str:
         parts = [f"loss {m.get('loss/loss', float('nan')):+.4f}"]
-        if "m2po/masked_frac" in m:
-            parts.append(f"masked {100 * m['m2po/masked_frac']:.2f}%")
-        if "loss/clipped_frac" in m:
-            parts.append(f"clipped {100 * m['loss/clipped_frac']:.2f}%")
+        if "loss/clip_frac" in m:  # the share of tokens the loss gives no gradient: masked by M2PO
+            verb = "masked" if "m2po/num_masked" in m else "clipped"
+            parts.append(f"{verb} {100 * m['loss/clip_frac']:.2f}%")
         parts.append(f"stale {m.get('staleness/mean', 0):.0f}")
         parts.append(f"{m.get('time/step', 0):.1f}s/step")
         return "  ".join(parts)

@@ -21,6 +21,7 @@ from m2po_cli.grader import Grader
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.record import Recorder, Sample
 from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.staleness import RolloutBatch, StalenessQueue
@@ -47,6 +48,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         torch.manual_seed(recipe.run.seed)
         loss_fn = build_loss(recipe.loss)
         queue = StalenessQueue(recipe.queue_batches)
+        recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, rank, learner.world)
         engine = grader = log = None
         if rank == 0:
             log = RunLog(run_dir, recipe, learner.world)
@@ -62,6 +64,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             grader = stack.enter_context(Grader())
 
         first_step = resume(run_dir, recipe, learner, queue, prompts, engine, log)
+        recorder.start(first_step)
         if log is not None:
             log.start(first_step)
             if first_step:
@@ -76,7 +79,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             batch = queue.pop()
             staleness = learner.version - batch.version
             t1 = time.perf_counter()
-            metrics = train_on(batch, learner, loss_fn, engine, recipe)
+            metrics = train_on(batch, learner, loss_fn, engine, recipe, recorder, step)
             metrics.update(rollout_metrics(batch, staleness))
             metrics.update({"time/rollout": t1 - t0, "time/train": time.perf_counter() - t1})
             metrics["time/step"] = time.perf_counter() - t0
@@ -172,7 +175,13 @@ def _score_at_behaviour_version(batch: RolloutBatch, learner: Learner) -> None:
 
 
 def train_on(
-    batch: RolloutBatch, learner: Learner, loss_fn, engine: RolloutEngine | None, recipe: Recipe
+    batch: RolloutBatch,
+    learner: Learner,
+    loss_fn,
+    engine: RolloutEngine | None,
+    recipe: Recipe,
+    recorder: Recorder,
+    step: int,
 ) -> dict[str, float]:
     """All optimizer updates of one rollout batch; the engine gets the weights after each."""
     advantages = grpo_advantages(batch.rewards_PG, recipe.algorithm.normalize_std, recipe.algorithm.std_eps)
@@ -185,16 +194,55 @@ def train_on(
         mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()
         num_tokens = sum(len(batch.responses[i]) for i in rows)
         rows_batch = to_batch(batch, mine, advantages, recipe.algorithm.behaviour_logprobs)
+        sample = record_sample(recorder, step, batch, list(rows), advantages, learner)
         t0 = time.perf_counter()
         m = learner.update(rows_batch, loss_fn, num_tokens)
         t1 = time.perf_counter()
+        recorder.add(sample, m)
         sync_weights(learner, engine)
         m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
         m["perf/learner_tokens_per_s"] = float(rows_batch.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version
+    recorder.write(step)
     return totals
+
+
+def record_sample(
+    recorder: Recorder, step: int, batch: RolloutBatch, rows: list[int], advantages_N: torch.Tensor, learner
+) -> Sample | None:
+    """This rank's share of the update's recorded rows, scored by the learner just before the update."""
+    if not recorder.due(step):
+        return None
+    picked, keep = recorder.pick(step, learner.version, rows, [len(batch.responses[i]) for i in rows])
+    logprobs_BL, entropy_BL = learner.score(to_batch(batch, picked, advantages_N))
+    if not keep:  # a copy scored so that every rank runs the same forwards
+        return None
+    spans = [(len(batch.prompt_of(i)), len(batch.responses[i])) for i in picked]
+
+    def responses(values_BL: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values_BL[j, p : p + r] for j, (p, r) in enumerate(spans)] + [torch.zeros(0)])
+
+    def packed(per_row: list[list[float]] | None) -> torch.Tensor:
+        rows_ = [per_row[i] if per_row is not None else [0.0] * len(batch.responses[i]) for i in picked]
+        return torch.tensor([x for row in rows_ for x in row], dtype=torch.float32)
+
+    def per_row(value: int) -> torch.Tensor:
+        return torch.full((len(picked),), value, dtype=torch.long)
+
+    return Sample(
+        behaviour_logprobs_N=packed(batch.behaviour_logprobs),
+        learner_logprobs_N=packed(batch.learner_logprobs),
+        logprobs_N=responses(logprobs_BL),
+        entropy_N=responses(entropy_BL),
+        lengths_R=torch.tensor([r for _, r in spans], dtype=torch.long),
+        advantages_R=advantages_N[picked].float(),
+        staleness_R=per_row(learner.version - batch.version),
+        update_R=per_row(learner.version),
+        row_R=torch.tensor(picked, dtype=torch.long),
+        scored_R=torch.full((len(picked),), batch.learner_logprobs is not None),
+    )
 
 
 def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
