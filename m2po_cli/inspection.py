@@ -64,9 +64,14 @@ def run_loss(run: Path) -> tuple[LossConfig, str]:
 
 def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str | None) -> None:
     """`m2po inspect ratios`: tables (or JSON) on stdout, PNG figures into `plot_dir`."""
+    import torch
+
     from m2po_cli.ratios import analyse, rule_name
     from m2po_cli.ratios_report import show
 
+    # One update's tensors are small: more threads cost more than they give, all the more next to a
+    # training run on the same machine (5x the CPU time with two threads on a busy 2-core machine).
+    torch.set_num_threads(1)
     run = find_run(run_dir)
     chosen = parse_steps(steps)
     loss, behaviour = run_loss(run)

@@ -58,15 +58,16 @@ def _short(x: float) -> str:
 def staleness_buckets(staleness_N: Tensor) -> tuple[Tensor, list[str]]:
     """Each token's staleness bucket (0, 1-3, 4-15, 16-63, ...: powers of four, so a run of any
     staleness gets a handful) and the buckets' names, from the values present ("4", "16-60")."""
-    values = sorted(set(staleness_N.tolist()))
-    key = {s: 0 if s == 0 else 1 + (s.bit_length() - 1) // 2 for s in values}
-    keys = sorted(set(key.values()))
+    values_U, inverse_N = staleness_N.unique(return_inverse=True)  # sorted
+    values = values_U.tolist()
+    key = [0 if s == 0 else 1 + (s.bit_length() - 1) // 2 for s in values]
+    keys = sorted(set(key))
     names = []
     for k in keys:
-        inside = [s for s in values if key[s] == k]
+        inside = [s for s, ks in zip(values, key, strict=True) if ks == k]
         names.append(str(inside[0]) if len(inside) == 1 else f"{inside[0]}-{inside[-1]}")
-    index = {s: keys.index(key[s]) for s in values}
-    return torch.tensor([index[s] for s in staleness_N.tolist()], dtype=torch.long), names
+    bucket_U = torch.tensor([keys.index(k) for k in key], dtype=torch.long)
+    return bucket_U[inverse_N], names
 
 
 @dataclass
