@@ -5,8 +5,9 @@ Without RUN_DIR it writes a synthetic run directory holding what the 8B recipe
 through the trainer's own writer: every 50th step, 4,096 response tokens per update, so 24 files of
 4 x 4,096 tokens (393,216 tokens, 16 bytes each: 6.3 MB). Its log r is heavy-tailed (normal plus a
 Student-t tail, the "stale" batch of bench_loss.py), staleness ramps to 256 as in a run's warm-up.
-Prints the medians of interleaved repeats and their ratio to the baseline (the cost of importing torch,
-which every torch command pays).
+Prints the medians of interleaved repeats, wall-clock and CPU time (the latter holds still on a shared,
+busy machine), and their ratios to the baseline: the cost of importing torch, which every torch
+command pays.
 
     .venv/bin/python bench/bench_inspect.py [RUN_DIR] [--repeats 3]
 """
@@ -14,6 +15,7 @@ which every torch command pays).
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,10 +69,13 @@ def _sample(g: torch.Generator, update: int, staleness: int) -> Sample:
     )
 
 
-def timed(cmd: list[str]) -> float:
-    start = time.perf_counter()
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall-clock and CPU (user + system) seconds of one whole process."""
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    return time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return time.perf_counter() - start, cpu
 
 
 def main() -> None:
@@ -81,7 +86,7 @@ def main() -> None:
     run = Path(args.run_dir) if args.run_dir else synthetic_run(Path(tempfile.mkdtemp()) / "synthetic-8b")
     files = record_files(run)
     size = sum(p.stat().st_size for p in files)
-    print(f"{run}: {len(files)} record files, {size / 1e6:.1f} MB")
+    print(f"{run.name}: {len(files)} record files, {size / 1e6:.1f} MB")
     plots = Path(tempfile.mkdtemp())
     commands = {
         "import torch": [sys.executable, "-c", "import torch"],
@@ -97,14 +102,17 @@ def main() -> None:
             str(plots),
         ],
     }
-    times: dict[str, list[float]] = {name: [] for name in commands}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
     for _ in range(args.repeats):
         for name, cmd in commands.items():
             times[name].append(timed(cmd))
-    base = statistics.median(times["import torch"])
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:24s} {median:6.2f} s  ({median / base:4.1f} x import torch)")
+    wall = {name: statistics.median(w for w, _ in values) for name, values in times.items()}
+    cpu = {name: statistics.median(c for _, c in values) for name, values in times.items()}
+    for name in commands:
+        print(
+            f"{name:24s} wall {wall[name]:6.2f} s ({wall[name] / wall['import torch']:4.1f} x import torch)"
+            f"   cpu {cpu[name]:6.2f} s ({cpu[name] / cpu['import torch']:4.1f} x)"
+        )
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ def analyse(records: Records, run_loss: LossConfig, behaviour: str) -> tuple[dic
         "staleness": [_bucket_stats(tokens, bucket_N == i) | {"bucket": n} for i, n in enumerate(names)],
         "rules": [],
         "entropy_by_ratio": entropy_by_ratio(tokens),
+        "mean_entropy": float(tokens.entropy_N.double().mean()),
         "as_trained": _as_trained(records, run_loss),
     }
     report["all"] = _bucket_stats(tokens, torch.ones_like(bucket_N, dtype=torch.bool))

@@ -81,7 +81,7 @@ def rules_table(report: dict) -> Table:
 
 def rules_by_staleness_table(report: dict) -> Table:
     buckets = [row["bucket"] for row in report["staleness"]]
-    t = Table(title="the same, by staleness (% of the tokens at that staleness)", title_justify="left")
+    t = Table(title="the same, by staleness (% of the tokens at s)", title_justify="left")
     t.add_column("rule", no_wrap=True)
     for b in buckets:
         t.add_column(f"s {b}", justify="right")
@@ -101,6 +101,8 @@ def entropy_table(report: dict) -> Table:
     for row in report["entropy_by_ratio"]:
         span = f"{row['lo']:g} - {row['hi']:g}" if math.isfinite(row["hi"]) else f">= {row['lo']:g}"
         t.add_row(span, _pct(row["frac"]), _num(row["entropy"], ".3f"))
+    t.add_section()
+    t.add_row("all", _pct(1.0), _num(report["mean_entropy"], ".3f"))
     return t
 
 

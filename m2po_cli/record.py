@@ -1,8 +1,8 @@
 """Token-level records for `m2po inspect`: a bounded sample of what each update trained on.
 
 Every `[inspect] every` steps, each optimizer update of the step records a random sample of its
-sequences (about `[inspect] tokens` response tokens, whole sequences, the same number on every rank),
-scored by the learner just before the update: the current logprobs are the ones the loss sees. One
+sequences (whole sequences, about `[inspect] tokens` response tokens), scored by the learner just
+before the update: the current logprobs are the ones the loss sees. One
 file per recorded step, `inspect/step-NNNNNN.safetensors`, written under a temporary name and renamed,
 so a killed run keeps every step it finished and never half a file; a resumed run first drops the
 records of the steps it will redo.
