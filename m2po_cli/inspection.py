@@ -7,6 +7,7 @@ A run directory is one that `m2po train` wrote: it holds `config.toml`. The defa
 from __future__ import annotations
 
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def parse_steps(text: str | None) -> range | None:
     try:
         if not sep:
             raise ValueError
-        start, stop = int(lo) if lo else 0, int(hi) if hi else 2**62
+        start, stop = int(lo) if lo else 0, int(hi) if hi else sys.maxsize
     except ValueError:
         raise RecordError(f"--steps: expected A:B, e.g. 100:200 or 100: (got {text!r})") from None
     if start < 0 or stop <= start:

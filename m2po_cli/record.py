@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,12 +172,18 @@ def record_files(run_dir: Path) -> list[Path]:
 
 def load_records(run_dir: Path, steps: range | None = None) -> Records:
     """Read the records of `run_dir` (of the steps in `steps`, if given). Raises RecordError."""
-    files = [p for p in record_files(run_dir) if steps is None or _step_of(p) in steps]
-    if not files:
-        where = "" if steps is None else f" in steps {steps.start}:{steps.stop}"
+    every = record_files(run_dir)
+    files = [p for p in every if steps is None or _step_of(p) in steps]
+    if not every:
         raise RecordError(
-            f"{run_dir}: no recorded tokens{where} ({DIR}/ holds no step files); the run records every "
-            "[inspect] every steps, from step 0"
+            f"{run_dir}: no recorded tokens ({DIR}/ holds no step files); a run records every "
+            "[inspect] every steps from step 0, unless every = 0"
+        )
+    if not files:
+        recorded = f"{_step_of(every[0])}" + (f"-{_step_of(every[-1])}" if len(every) > 1 else "")
+        raise RecordError(
+            f"{run_dir}: no recorded tokens in steps {steps.start}:{'' if steps.stop == sys.maxsize else steps.stop} "
+            f"(it recorded {len(every)} steps, {recorded})"
         )
     samples, step_parts, updates = [], [], []
     for path in files:

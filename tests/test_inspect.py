@@ -58,10 +58,28 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def report_of(run: Path) -> dict:
-    done = m2po("inspect", "ratios", str(run), "--json")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+@pytest.fixture(scope="module")
+def reports(runs) -> dict[str, dict]:
+    """`m2po inspect ratios RUN --json` of each run, as a whole process."""
+    out = {}
+    for name, run in runs.items():
+        done = m2po("inspect", "ratios", str(run), "--json")
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = json.loads(done.stdout)
+    return out
+
+
+def in_process(*args: str):
+    """The CLI in this process (torch already imported): for the cheap option checks."""
+    from click.testing import CliRunner
+
+    from m2po_cli.cli import main
+
+    threads = torch.get_num_threads()  # the command sets one thread: not for the tests that follow
+    try:
+        return CliRunner().invoke(main, list(args))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def logged(run: Path) -> list[dict]:
@@ -76,8 +94,8 @@ def run_rule(report: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_m2po_masks_what_training_masked(runs):
-    rule, metrics = run_rule(report_of(runs["m2po"])), logged(runs["m2po"])
+def test_m2po_masks_what_training_masked(runs, reports):
+    rule, metrics = run_rule(reports["m2po"]), logged(runs["m2po"])
     assert [u["step"] for u in rule["per_update"]] == [m["step"] for m in metrics]
     for u in rule["per_update"]:
         assert u["num_tokens"] == metrics[u["step"]]["loss/num_tokens"]
@@ -86,8 +104,8 @@ def test_m2po_masks_what_training_masked(runs):
 
 
 @pytest.mark.slow
-def test_clip_clips_what_training_clipped(runs):
-    rule, metrics = run_rule(report_of(runs["grpo"])), logged(runs["grpo"])
+def test_clip_clips_what_training_clipped(runs, reports):
+    rule, metrics = run_rule(reports["grpo"]), logged(runs["grpo"])
     assert rule["rule"] == "grpo clip 0.1"
     for u in rule["per_update"]:
         m = metrics[u["step"]]
@@ -129,8 +147,8 @@ def m2po_literal(z: list[float], tau: float) -> int:
 
 
 @pytest.mark.slow
-def test_numbers_match_the_recorded_tensors(runs):
-    report = report_of(runs["m2po"])
+def test_numbers_match_the_recorded_tensors(runs, reports):
+    report = reports["m2po"]
     rows = recorded(runs["m2po"])
     tokens = [
         (lp - b, a, e, lb - b, lp - lb, r["update_R"])
@@ -229,8 +247,11 @@ def test_command_prints_tables_and_writes_plots_without_vllm(runs, tmp_path):
 
 @pytest.mark.slow
 def test_steps_selects_a_range(runs):
-    report = json.loads(m2po("inspect", "ratios", str(runs["m2po"]), "--steps", "2:", "--json").stdout)
-    assert report["steps"] == [2, 3]
+    done = in_process("inspect", "ratios", str(runs["m2po"]), "--steps", "2:", "--json")
+    assert json.loads(done.stdout)["steps"] == [2, 3]
+    for steps, message in [("10:20", "no recorded tokens in steps 10:20"), ("x", "--steps: expected A:B")]:
+        done = in_process("inspect", "ratios", str(runs["m2po"]), "--steps", steps)
+        assert done.exit_code == 2 and message in done.output, done.output
 
 
 @pytest.mark.slow
@@ -245,8 +266,6 @@ def test_bad_run_directories_get_one_line_and_exit_2(runs, tmp_path):
     bare.mkdir()
     (bare / "config.toml").write_text((runs["m2po"] / "config.toml").read_text())
     fails(bare, "no recorded tokens")
-    fails(runs["m2po"], "no recorded tokens in steps 10:20", "--steps", "10:20")
-    fails(runs["m2po"], "--steps: expected A:B", "--steps", "x")
     partial = tmp_path / "partial"
     (partial / "inspect").mkdir(parents=True)
     (partial / "config.toml").write_text((runs["m2po"] / "config.toml").read_text())
