@@ -19,8 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from m2po_cli.config import InspectConfig, M2POLoss
+from m2po_cli.config import GRPOLoss, GSPOLoss, InspectConfig, M2POCapLoss, M2POLoss, NoTRLoss
 from m2po_cli.loss import build_loss
+from m2po_cli.ratios import WHAT_IF, analyse
 from m2po_cli.record import Recorder, Sample, load_records, step_path
 from m2po_cli.runlog import RunLog
 
@@ -348,3 +349,35 @@ def test_console_headline_shows_the_share_the_loss_masked():
     assert f"masked {100 * m['m2po/num_masked'] / 200:.2f}%" in RunLog._headline(m)
     m.pop("m2po/num_masked")
     assert f"clipped {100 * m['loss/clip_frac']:.2f}%" in RunLog._headline(m)
+
+
+@pytest.mark.parametrize(
+    "run_loss",
+    [
+        NoTRLoss(),
+        GSPOLoss(),
+        M2POCapLoss(tau=0.04),
+        GRPOLoss(eps_low=0.1, eps_high=0.3, dual_clip=2.0),
+        M2POLoss(tau=0.04),
+    ],
+    ids=lambda cfg: cfg.type,
+)
+@pytest.mark.parametrize("behaviour", ["engine", "learner"])
+def test_every_loss_type_can_be_the_run_loss(tmp_path, run_loss, behaviour):
+    recorder = Recorder(tmp_path, InspectConfig(every=1), seed=0, rank=0, world=1)
+    for step in range(3):
+        recorder.add(sample(step, [5, 2, 7, 1]), {"loss/clip_frac": 0.0, "loss/num_tokens": 15.0})
+        recorder.write(step)
+    records = load_records(tmp_path)
+    report, acted = analyse(records, run_loss, behaviour)
+    ours = [rule for rule in report["rules"] if rule["run_loss"]]
+    assert len(ours) == 1 and ours[0]["config"] == run_loss.model_dump()
+    assert len(report["rules"]) == len(WHAT_IF) + (run_loss not in WHAT_IF)
+    assert [u["step"] for u in ours[0]["per_update"]] == [0, 1, 2]
+    assert sum(u["num_tokens"] for u in ours[0]["per_update"]) == report["num_tokens"] == 45
+    if isinstance(run_loss, NoTRLoss):
+        assert not acted["no_tr"].any()
+    # log r is formed from the behaviour logprobs the run's loss used.
+    s = records.sample
+    behaviour_N = s.behaviour_logprobs_N if behaviour == "engine" else s.learner_logprobs_N
+    assert report["quantiles"]["max"] == pytest.approx(float((s.logprobs_N - behaviour_N).max()), abs=1e-6)
