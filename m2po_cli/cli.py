@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import click
 
 from m2po_cli.config import ConfigError, load_recipe, to_toml
+
+VERBOSE = click.option(
+    "-v", "--verbose", is_flag=True, help="Show third-party logs and warnings (vLLM, torch, ...) here too."
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,7 +29,8 @@ def main() -> None:
 @click.option(
     "--dry-run", is_flag=True, help="Check the recipe and its local prompt set; print the resolved recipe."
 )
-def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
+@VERBOSE
+def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool) -> None:
     """Train with a TOML RECIPE (run under torchrun for several processes)."""
     from m2po_cli.data import DataError, is_hub, load_problems
 
@@ -36,11 +43,13 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     if dry_run:
         click.echo(to_toml(resolved), nl=False)
         return
+    _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
+    from m2po_cli.models import ModelError
     from m2po_cli.train import train as run_training
 
     try:
         run_training(resolved, problems)
-    except DataError as e:
+    except (DataError, ModelError) as e:
         _fail(str(e))
 
 
@@ -54,7 +63,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False),
-    help="Read each benchmark's JSONL file from DIR (default: its hub dataset).",
+    help="Read each benchmark's JSONL file from DIR (default: data.dir, else $M2PO_BENCHMARKS, else the hub).",
 )
 @click.option("--out", default="eval-results", show_default=True, type=click.Path(file_okay=False))
 @click.option(
@@ -67,6 +76,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool) -> None:
     metavar="KEY.PATH=VALUE",
     help="Override an eval key, e.g. protocol.samples=1.",
 )
+@VERBOSE
 def eval_(
     checkpoints: tuple[str, ...],
     all_checkpoints: bool,
@@ -76,15 +86,17 @@ def eval_(
     out: str,
     protocol: str | None,
     overrides: tuple[str, ...],
+    verbose: bool,
 ) -> None:
-    """Score checkpoints on the paper's eight math benchmarks (an HF model, a run, or a saved step)."""
-    from pathlib import Path
+    """Score checkpoints on the paper's eight math benchmarks (an HF model, a run, or a saved step).
 
+    The table goes to stdout; progress, notes and errors to stderr.
+    """
     from rich.console import Console
 
     from m2po_cli.data import DataError
     from m2po_cli.eval_config import load_benchmarks, load_eval_config
-    from m2po_cli.eval_data import load_problems
+    from m2po_cli.eval_data import benchmark_dir, load_problems
     from m2po_cli.eval_targets import TargetError, resolve_targets
 
     try:
@@ -92,13 +104,43 @@ def eval_(
         names = [n.strip() for n in benchmarks.split(",") if n.strip()] if benchmarks else None
         specs = load_benchmarks(names)
         targets = resolve_targets(list(checkpoints), all_checkpoints)
-        data = Path(data_dir) if data_dir else None
-        problems = {spec.name: load_problems(spec, data) for spec in specs}
+        out_dir = _writable_dir(Path(out))
+        folder, origin = benchmark_dir(data_dir, cfg.data.dir)
+        problems = {spec.name: load_problems(spec, folder, origin) for spec in specs}
     except (ConfigError, DataError, TargetError) as e:
         _fail(str(e))
+    _route_third_party(out_dir, verbose)
     from m2po_cli.evaluate import run
 
-    run(targets, specs, problems, cfg, Path(out), limit, Console(stderr=True))
+    failures = run(targets, specs, problems, cfg, out_dir, limit, Console(stderr=True))
+    if failures:
+        _fail("\n".join(failures))
+
+
+def _writable_dir(path: Path) -> Path:
+    """`path`, created if needed, once a file can be written in it; else a one-line ConfigError."""
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            "--out", "", f"{path}: cannot write there ({e.strerror or type(e).__name__})"
+        ) from None
+    return path
+
+
+def _route_third_party(folder: Path, verbose: bool) -> None:
+    """Third-party logs and warnings to `folder`/third-party.log (rank 0 says so), before torch loads."""
+    from m2po_cli import console
+
+    log_path = folder / console.LOG_NAME
+    console.route_third_party(log_path, verbose)
+    if os.environ.get("RANK", "0") == "0":
+        console.announce(log_path)
+    console.adopt_transformers(verbose)
 
 
 @main.group()

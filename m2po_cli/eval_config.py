@@ -86,8 +86,17 @@ class GraderOptions(Table):
     timeout_s: float = field(5.0, "Time limit per sample; a sample that runs out scores 0.", gt=0)
 
 
+class DataOptions(Table):
+    dir: str | None = field(
+        None,
+        "Folder of the benchmarks' JSONL files (names as in evals/benchmarks.toml); unset: "
+        "$M2PO_BENCHMARKS, else the hub. --data-dir overrides it.",
+    )
+
+
 class EvalConfig(Table):
     protocol: Protocol = field(Protocol(), "Sampling protocol (the paper's by default).")
+    data: DataOptions = field(DataOptions(), "Where the benchmark problems are read from.")
     engine: EngineOptions = field(EngineOptions(), "vLLM engine settings.")
     grader: GraderOptions = field(GraderOptions(), "Grader pool settings.")
 

@@ -1,4 +1,7 @@
-"""Benchmark problems for `m2po eval`: a local JSONL file under `--data-dir`, or the hub.
+"""Benchmark problems for `m2po eval`: a local JSONL file in the benchmark folder, or the hub.
+
+The folder is `--data-dir`, else the eval config's `data.dir`, else `$M2PO_BENCHMARKS`; with none
+set, each benchmark is read from its hub dataset.
 
 Local files follow the schema of `shared/benchmarks` (one object a line: `id`, `problem`, `answer`,
 more fields ignored). Hub rows are mapped through the benchmark's `[hub]` field names. Either way a
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +29,32 @@ class EvalProblem:
     answer: str
 
 
-def load_problems(spec: BenchmarkSpec, data_dir: Path | None) -> list[EvalProblem]:
-    """All problems of `spec`, from `data_dir / spec.file` or, without a data dir, from the hub."""
+BENCHMARKS_ENV = "M2PO_BENCHMARKS"
+HOW_TO_POINT = f"point at local files with --data-dir DIR, data.dir in an eval TOML or ${BENCHMARKS_ENV}=DIR"
+
+
+def benchmark_dir(data_dir: str | None, config_dir: str | None) -> tuple[Path | None, str]:
+    """The benchmark folder and what set it: `--data-dir`, else the eval config's `data.dir`, else
+    `$M2PO_BENCHMARKS`; (None, "") means the hub."""
+    env = os.environ.get(BENCHMARKS_ENV)
+    for value, origin in ((data_dir, "--data-dir"), (config_dir, "data.dir"), (env, f"${BENCHMARKS_ENV}")):
+        if value:
+            return Path(value).expanduser(), origin
+    return None, ""
+
+
+def load_problems(
+    spec: BenchmarkSpec, data_dir: Path | None, origin: str = "--data-dir"
+) -> list[EvalProblem]:
+    """All problems of `spec`, from `data_dir / spec.file` or, without a folder, from the hub.
+
+    `origin` names what set the folder, for the error when the file is not there.
+    """
     if data_dir is not None:
-        return _read_local(data_dir / spec.file)
+        return _read_local(data_dir / spec.file, origin)
     if spec.hub is None:
-        raise DataError(f"{spec.name}: no hub source is defined; pass --data-dir with {spec.file}")
-    return _read_hub(spec.name, spec.hub)
+        raise DataError(f"{spec.name}: no hub source is defined; {HOW_TO_POINT} holding {spec.file}")
+    return _read_hub(spec.name, spec.hub, spec.file)
 
 
 def digest(problems: list[EvalProblem]) -> str:
@@ -40,9 +63,9 @@ def digest(problems: list[EvalProblem]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _read_local(path: Path) -> list[EvalProblem]:
+def _read_local(path: Path, origin: str) -> list[EvalProblem]:
     if not path.is_file():
-        raise DataError(f"{path}: benchmark file not found")
+        raise DataError(f"{path}: benchmark file not found (folder from {origin})")
     problems = []
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -62,11 +85,17 @@ def _read_local(path: Path) -> list[EvalProblem]:
     return problems
 
 
-def _read_hub(name: str, hub: HubSource) -> list[EvalProblem]:
+def _read_hub(name: str, hub: HubSource, file: str) -> list[EvalProblem]:
     # Imported here: `datasets` takes seconds to import and only hub sources need it.
     import datasets
 
-    ds = datasets.load_dataset(hub.path, split=hub.split, data_files=hub.data_files)
+    try:
+        ds = datasets.load_dataset(hub.path, split=hub.split, data_files=hub.data_files)
+    except Exception as e:  # offline, moved, gated: `datasets` raises many kinds
+        raise DataError(
+            f"{name}: no local folder is set and the hub did not provide {hub.path} "
+            f"({type(e).__name__}); {HOW_TO_POINT} holding {file}"
+        ) from None
     for key in (hub.problem_key, hub.answer_key, hub.id_key):
         if key is not None and key not in ds.column_names:
             raise DataError(f"{name}: {hub.path} has no field {key!r}; fields: {', '.join(ds.column_names)}")

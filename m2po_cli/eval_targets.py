@@ -27,6 +27,7 @@ from typing import Literal
 
 from m2po_cli import checkpoint
 from m2po_cli.config import BUILTIN_MODELS, HUB_ID
+from m2po_cli.models import ModelError, check_model_dir
 
 
 class TargetError(Exception):
@@ -51,12 +52,19 @@ class Target:
         return stable_hash(_file_stats(directory))
 
     def model_dir(self) -> Path:
-        """A local HF-format directory with these weights (converted, downloaded or built if needed)."""
-        if self.kind == "model":
-            return Path(self.path)
-        if self.kind == "step":
-            return export_step(Path(self.path))
-        return _resolve_model(self.path)
+        """A local HF-format directory with these weights (converted, downloaded or built if needed),
+        checked whole before anything loads it. Raises TargetError."""
+        try:
+            if self.kind == "model":
+                directory = Path(self.path)
+            elif self.kind == "step":
+                directory = export_step(Path(self.path))
+            else:
+                directory = _resolve_model(self.path)
+            check_model_dir(directory)
+        except ModelError as e:
+            raise TargetError(str(e)) from None
+        return directory
 
 
 @functools.cache
@@ -79,6 +87,8 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
     path = Path(arg).expanduser()
     if not path.exists():
         if arg in BUILTIN_MODELS or (HUB_ID.match(arg) and not arg.startswith((".", "/", "~"))):
+            if Path(path.parts[0]).is_dir():  # `runs/typo`: a local folder, not a hub organisation
+                raise TargetError(f"{arg}: checkpoint not found ({path.parts[0]}/ is a local folder)")
             return [Target(arg, "hub", arg)]
         raise TargetError(f"{arg}: checkpoint not found")
     path = path.resolve()
@@ -90,9 +100,9 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
             raise TargetError(f"{arg}: incomplete checkpoint: {problem}")
         return [Target(f"{path.parent.parent.name}/{path.name}", "step", str(path))]
     if (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
-            raise TargetError(f"{arg}: no *.safetensors weights in this model directory")
-        return [Target(_model_label(path), "model", str(path))]
+        target = Target(_model_label(path), "model", str(path))
+        target.model_dir()  # a local directory: checked now, in milliseconds
+        return [target]
     raise TargetError(
         f"{arg}: neither an HF model directory (config.json), a run directory (config.toml) nor a saved step"
     )
@@ -118,7 +128,9 @@ def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
                 "{run}", str(run)
             )
         )
-    return [Target(f"{run.name}/export", "model", str(export))]
+    target = Target(f"{run.name}/export", "model", str(export))
+    target.model_dir()
+    return [target]
 
 
 def _model_label(path: Path) -> str:

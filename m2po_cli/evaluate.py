@@ -30,10 +30,11 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from m2po_cli.data import DataError
 from m2po_cli.eval_config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
 from m2po_cli.eval_data import EvalProblem, digest
 from m2po_cli.eval_report import markdown_table, rich_table, summarize_benchmark, summarize_target
-from m2po_cli.eval_targets import Target, stable_hash
+from m2po_cli.eval_targets import Target, TargetError, stable_hash
 from m2po_cli.grader import Grader, extract_boxed
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
@@ -72,26 +73,30 @@ def run(
     out: Path,
     limit: int | None,
     console: Console,
-) -> list[dict[str, Any]]:
-    """`m2po eval` after its arguments are checked: evaluate, write results.json and results.md, show the table."""
+) -> list[str]:
+    """`m2po eval` after its arguments are checked: evaluate, write results.json and results.md, show
+    the table (on stdout; progress is on `console`). Return one line per target that could not be
+    evaluated: the others' results are written all the same."""
     for spec in specs:
         if len(problems[spec.name]) != spec.num_problems:
             console.print(
                 f"[yellow]warning[/]: {spec.name} has {len(problems[spec.name])} problems, "
                 f"the benchmark has {spec.num_problems}"
             )
-    summaries = evaluate(targets, specs, problems, cfg, out, limit, console)
+    summaries, failures = evaluate(targets, specs, problems, cfg, out, limit, console)
+    if not summaries:
+        return failures
     results = {"config": cfg.model_dump(mode="json"), "limit": limit, "targets": summaries}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(markdown_table(summaries, limit))
+    stdout = Console(soft_wrap=True)
     table = rich_table(summaries, limit)
     # Never squeeze labels and numbers into ellipses (rich's default in a narrow or piped console).
-    natural = Measurement.get(console, console.options.update_width(1000), table).maximum
-    width, console.width = console.width, max(console.width, natural)
-    console.print(table)
-    console.width = width
-    console.print(f"results: {out / 'results.json'}, {out / 'results.md'}")
-    return summaries
+    natural = Measurement.get(stdout, stdout.options.update_width(1000), table).maximum
+    stdout.width = max(stdout.width, natural)
+    stdout.print(table)
+    console.print(f"results: {out / 'results.json'}, {out / 'results.md'}", soft_wrap=True)
+    return failures
 
 
 def evaluate(
@@ -102,38 +107,55 @@ def evaluate(
     out: Path,
     limit: int | None,
     console: Console,
-) -> list[dict[str, Any]]:
-    """Evaluate every target on every benchmark; return one summary per target (see eval_report)."""
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Evaluate every target on every benchmark: one summary per target evaluated (see
+    eval_report), and one line for each target that could not be (a damaged or missing checkpoint,
+    a corrupt cache file)."""
     engine = EvalEngine(cfg.engine)
-    grader: Grader | None = None
-    summaries = []
+    graders: list[Grader] = []  # started when the first target needs one
+    summaries, failures = [], []
     try:
         for target in targets:
-            model_dir = target.model_dir()
-            target_dir = out / f"{_slug(target.label)}-{target.identity()[:8]}"
-            target_dir.mkdir(parents=True, exist_ok=True)
-            info = {
-                "label": target.label,
-                "kind": target.kind,
-                "path": target.path,
-                "model_dir": str(model_dir),
-            }
-            (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
-            plans = plan_target(target, model_dir, specs, problems, cfg.protocol, target_dir, limit)
-            jobs = [job for plan in plans for job in plan.jobs]
-            _report_plan(console, target.label, plans, jobs)
-            if jobs:
-                grader = grader or Grader(cfg.grader.workers, cfg.grader.timeout_s)
-                engine.load(model_dir, context_length(model_dir, cfg.protocol))
-                run_jobs(engine.llm, grader, jobs, cfg.protocol, {p.spec.name: p for p in plans}, console)
-            summary = summarize_target(info, {p.spec.name: summarize_benchmark(p) for p in plans})
-            (target_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-            summaries.append(summary)
+            try:
+                summaries.append(
+                    evaluate_target(target, specs, problems, cfg, out, limit, console, engine, graders)
+                )
+            except (TargetError, DataError) as e:  # reported once all targets are done
+                failures.append(str(e))
     finally:
         engine.close()
-        if grader is not None:
+        for grader in graders:
             grader.close()
-    return summaries
+    return summaries, failures
+
+
+def evaluate_target(
+    target: Target,
+    specs: list[BenchmarkSpec],
+    problems: dict[str, list[EvalProblem]],
+    cfg: EvalConfig,
+    out: Path,
+    limit: int | None,
+    console: Console,
+    engine: EvalEngine,
+    graders: list[Grader],
+) -> dict[str, Any]:
+    model_dir = target.model_dir()
+    target_dir = out / f"{_slug(target.label)}-{target.identity()[:8]}"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    info = {"label": target.label, "kind": target.kind, "path": target.path, "model_dir": str(model_dir)}
+    (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
+    plans = plan_target(target, model_dir, specs, problems, cfg.protocol, target_dir, limit)
+    jobs = [job for plan in plans for job in plan.jobs]
+    _report_plan(console, target.label, plans, jobs)
+    if jobs:
+        if not graders:
+            graders.append(Grader(cfg.grader.workers, cfg.grader.timeout_s))
+        engine.load(model_dir, context_length(model_dir, cfg.protocol))
+        run_jobs(engine.llm, graders[0], jobs, cfg.protocol, {p.spec.name: p for p in plans}, console)
+    summary = summarize_target(info, {p.spec.name: summarize_benchmark(p) for p in plans})
+    (target_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -197,7 +219,8 @@ def _sampling(protocol: Protocol) -> list:
 def read_records(path: Path) -> dict[tuple[str, int], dict]:
     """Graded samples of a cache file by (problem id, sample index).
 
-    A line cut short by a kill mid-write can only be the last one: it is dropped from the file.
+    A line cut short by a kill mid-write can only be the last one, without its newline: it is
+    dropped from the file. Any other unreadable line is an error naming the file and the line.
     """
     if not path.exists():
         return {}
@@ -206,12 +229,15 @@ def read_records(path: Path) -> dict[tuple[str, int], dict]:
     for i, line in enumerate(lines):
         try:
             r = json.loads(line)
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise
+            key = (r["problem_id"], r["sample"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if i != len(lines) - 1 or line.endswith("\n"):
+                raise DataError(
+                    f"{path}: line {i + 1} is not a sample record; delete the file to sample its benchmark again"
+                ) from None
             path.write_text("".join(lines[:i]))
             break
-        records[(r["problem_id"], r["sample"])] = r
+        records[key] = r
     return records
 
 

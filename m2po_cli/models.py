@@ -104,24 +104,87 @@ def cache_root() -> Path:
     return Path(os.environ.get("M2PO_CACHE", "~/.cache/m2po")).expanduser()
 
 
+class ModelError(ValueError):
+    """A model path that resolves to nothing usable (one line, naming the path)."""
+
+
 def resolve_model(path: str) -> Path:
     """A local HF-format model directory for `path`: a directory, a hub id or a builtin name."""
     if path.startswith("builtin:"):
         if path not in BUILTINS:
-            raise ValueError(f"unknown builtin model {path!r}; choose one of {', '.join(BUILTINS)}")
+            raise ModelError(f"unknown builtin model {path!r}; choose one of {', '.join(BUILTINS)}")
         return _build_cached(path.removeprefix("builtin:"), BUILTINS[path])
     local = Path(path).expanduser()
     if local.is_dir():
         return local
     if HUB_ID.match(path):
-        from huggingface_hub import snapshot_download
-
-        # Weights in formats other than safetensors would only double the download.
-        ignore = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*"]
-        return Path(snapshot_download(path, ignore_patterns=ignore))
-    raise ValueError(
+        return _download(path)
+    raise ModelError(
         f"model path {path!r} is neither an existing directory, a hub id (org/name) nor a builtin"
     )
+
+
+def _download(hub_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    # Weights in formats other than safetensors would only double the download.
+    ignore = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.onnx", "*.h5", "*.msgpack", "original/*"]
+    try:
+        return Path(snapshot_download(hub_id, ignore_patterns=ignore))
+    except Exception as e:  # offline, unknown repo, gated, network: the hub raises many kinds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelError(
+            f"{hub_id}: not a local directory, and the hub did not provide it ({type(e).__name__}: {first})"
+        ) from None
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Raise ModelError unless `model_dir` holds what every consumer loads: `config.json`, whole
+    safetensors files (each header read and checked against the file's size), and a tokenizer with a
+    chat template. Reads headers only: milliseconds, before any engine starts."""
+    if not (model_dir / "config.json").is_file():
+        raise ModelError(f"{model_dir}: no config.json; not an HF model directory")
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise ModelError(f"{model_dir}: no *.safetensors weights in this model directory")
+    for f in weights:
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ModelError(f"{f}: corrupt safetensors file ({problem})")
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelError(f"{model_dir}: no tokenizer files (tokenizer.json); copy them from the base model")
+    config = model_dir / "tokenizer_config.json"
+    has_template = (model_dir / "chat_template.jinja").is_file() or (
+        config.is_file() and "chat_template" in json.loads(config.read_text())
+    )
+    if not has_template:
+        raise ModelError(
+            f"{model_dir}: the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json); "
+            "prompts are sent through it"
+        )
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file's framing: an 8-byte header size, a JSON header, tensors
+    that end exactly at the end of the file. None when it is whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes"
+        header_size = int.from_bytes(head, "little")
+        if header_size > size - 8:
+            return f"header of {header_size} bytes in a file of {size}"
+        try:
+            header = json.loads(f.read(header_size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "unreadable header"
+    if not isinstance(header, dict):
+        return "unreadable header"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)]
+    if 8 + header_size + max(ends, default=0) != size:
+        return f"{size} bytes, the header describes {8 + header_size + max(ends, default=0)}"
+    return None
 
 
 def builtin_dir(path: str) -> Path:

@@ -20,7 +20,7 @@ from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.grader import Grader
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
-from m2po_cli.models import resolve_model
+from m2po_cli.models import check_model_dir, resolve_model
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
 from m2po_cli.runlog import RunLog
@@ -34,7 +34,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     """
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     model_dir = resolve_model(recipe.model.path)
-    # Cheap checks before anything expensive starts: the prompt set loads and renders.
+    # Cheap checks before anything expensive starts: the model's files, the prompt set and its template.
+    check_model_dir(model_dir)
     prompts = PromptBatches(
         load_problems(recipe.data) if problems is None else problems,
         _tokenizer(model_dir),

@@ -4,8 +4,10 @@ and `docs/recipes.md` matches the schema."""
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
+import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from functools import reduce
@@ -153,6 +155,11 @@ MALFORMED = [
         "data.prompt_template",
         {'prompt_template = "{problem}"': 'prompt_template = "x"'},
     ),
+    (
+        "template_with_an_unknown_field",
+        "data.prompt_template",
+        {'prompt_template = "{problem}"': 'prompt_template = "{problem} {x}"'},
+    ),
     ("invalid_toml", None, {"steps = 200": "steps = = 200"}),
     ("missing_model", "model", {'[model]\npath = "builtin:tiny-qwen3-untied"\n': ""}),
 ]
@@ -209,6 +216,50 @@ def test_error_messages_show_the_bad_value(tmp_path: Path):
     path.write_text(QUICKSTART.read_text().replace("tau = 0.04", "tau = -1.0"))
     with pytest.raises(Exception, match=r"loss\.tau: must be > 0(\.0)? \(got -1\.0\)$"):
         load_recipe(path)
+
+
+BAD_DATA = {
+    "prompts.jsonl": (
+        '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": \n',
+        "line 2: invalid JSON",
+    ),
+    "missing.jsonl": ('{"question": "1+1", "answer": "2"}\n', "record 0: missing field 'problem'"),
+    "list.json": ('{"problem": "1+1"}', "expected a JSON list of records"),
+    "broken.json": ("[{", "invalid JSON"),
+    "binary.jsonl": (b"\xff\xfe\x00", "not UTF-8 text"),
+    "broken.parquet": ("not parquet", "not a readable parquet file"),
+}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("name", list(BAD_DATA))
+@pytest.mark.parametrize("dry_run", [False, True], ids=["train", "dry-run"])
+def test_bad_data_fails_in_seconds_before_anything_starts(tmp_path: Path, name: str, dry_run: bool):
+    content, message = BAD_DATA[name]
+    data = tmp_path / name
+    data.write_bytes(content if isinstance(content, bytes) else content.encode())
+    args = [
+        "train",
+        str(QUICKSTART),
+        "--set",
+        f'data.source="{data}"',
+        "--set",
+        f'run.output_dir="{tmp_path}"',
+    ]
+    start, cpu = time.monotonic(), _children_cpu_s()
+    proc = _cli(*args, *(["--dry-run"] if dry_run else []))
+    elapsed, cpu = time.monotonic() - start, _children_cpu_s() - cpu
+    assert _one_line_problem(proc, f"{data}: ") is None, _one_line_problem(proc, f"{data}: ")
+    assert message in proc.stderr
+    # About 1 s on an idle machine. CPU time is what the command costs; the wall clock of a loaded
+    # machine is bounded too, well below an engine start (importing vLLM alone takes 8-10 s).
+    assert cpu < 5, f"{cpu:.1f} s of CPU"
+    assert elapsed < 30, f"{elapsed:.1f} s"
+    assert not (tmp_path / "quickstart").exists(), "the run started before the data was checked"
 
 
 # --- --set overrides -----------------------------------------------------------------------------

@@ -38,6 +38,13 @@ def test_quickstart_learns(tmp_path):
     assert last - first >= 0.3, f"reward of the first fifth {first:.3f}, of the last fifth {last:.3f}"
     assert "reward, mean over the first" in done.stderr.splitlines()[-1]
     assert (tmp_path / "quickstart" / "export" / "model.safetensors").exists()
+    # The console shows the run, not third-party noise: that is in the run's third-party.log.
+    lines = (done.stdout + done.stderr).splitlines()
+    print(f"quickstart console: {len(lines)} lines")
+    assert len(lines) < 40, "\n".join(lines)
+    noise = (tmp_path / "quickstart" / "third-party.log").read_text()
+    assert "RotaryEmbedding" in noise or "vllm" in noise, "vLLM's logs did not reach the log file"
+    assert not any("WARNING" in line or "Warning" in line for line in lines), "\n".join(lines)
 
     # The quickstart's output goes straight into `m2po eval`, as docs/quickstart.md shows.
     benchmarks = ROOT.parent / "shared" / "benchmarks"
