@@ -1,18 +1,22 @@
 """Recipe schema: TOML tables parsed into typed, frozen models.
 
-Precedence is defaults < recipe file < `--set key.path=value` overrides. Every field carries a
-one-line description; the same text feeds `docs/recipes.md` and `--help`. This module imports
+Precedence is defaults < recipe file < `--set key.path=value` overrides (the loader is
+`tomlconf`, shared with the eval configs). Every field carries a one-line description; the same
+text feeds `docs/recipes.md` and `--help`. This module imports
 neither torch nor vllm, so `--dry-run` and validation errors are fast.
 """
 
 from __future__ import annotations
 
 import re
-import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, model_validator
+
+from m2po_cli.tomlconf import ConfigError as ConfigError  # noqa: F401  (re-exported)
+from m2po_cli.tomlconf import Table, field, load
 
 PAPER_PROMPT_TEMPLATE = (
     "Please solve the following math problem: {problem}. The assistant first thinks about the "
@@ -34,23 +38,6 @@ def check_template(template: str, key: str) -> None:
         template.format(problem="")
     except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"{key}: {e!r}; write literal braces as {{{{ and }}}}") from None
-
-
-class ConfigError(Exception):
-    """A user-fixable recipe problem: `file: key.path: message`."""
-
-    def __init__(self, source: str, key: str, message: str):
-        self.source, self.key, self.message = source, key, message
-        where = f"{source}: {key}: " if key else f"{source}: "
-        super().__init__(where + message)
-
-
-class Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-def field(default: Any, description: str, **kw: Any) -> Any:
-    return Field(default, description=description, **kw)
 
 
 class RunConfig(Table):
@@ -325,123 +312,19 @@ class Recipe(Table):
 # --- loading -------------------------------------------------------------------------------------
 
 
-def parse_override(text: str, source: str = "--set") -> tuple[str, Any]:
-    """`key.path=value`, where value is a TOML value, or a bare string when it does not parse."""
-    key, sep, raw = (part.strip() for part in text.partition("="))
-    if not sep or not re.fullmatch(r"\w+(\.\w+)*", key):
-        raise ConfigError(source, text, "expected key.path=value")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
-
-
-def _set_path(tree: dict[str, Any], key: str, value: Any, source: str = "--set") -> None:
-    *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(source, key, f"{part} is not a table")
-    node[leaf] = value
-
-
-def _table_at(loc: list[str | int]) -> type[Table]:
-    """The table that pydantic's error location `loc` points into (loss tags pick the loss class)."""
-    table: Any = Recipe
-    for part in loc:
-        if isinstance(table, type) and issubclass(table, Table):
-            table = table.model_fields[part].annotation
-        else:  # a discriminated union: `part` is the tag
-            table = next(t for t in get_args(table) if t.model_fields["type"].default == part)
-    return table
-
-
-_TYPE_NAMES = {
-    "bool_type": "true or false",
-    "int_type": "an integer",
-    "float_type": "a number",
-    "string_type": "a string",
-    "model_type": "a table",
-    "model_attributes_type": "a table",
-    "dict_type": "a table",
-}
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-
-
-def _show(value: Any) -> str:
-    return repr(list(value) if isinstance(value, tuple) else value)
-
-
-def _first_error(err: ValidationError) -> tuple[str, str]:
-    """(key.path, problem) of the first validation error, phrased for the recipe's author."""
-    e = err.errors(include_url=False)[0]
-    raw = list(e["loc"])
-    # Discriminated unions add the tag to the location (loss.m2po.tau): drop it.
-    loc = [str(p) for i, p in enumerate(raw) if not (i > 0 and raw[i - 1] == "loss" and p in LOSS_TYPES)]
-    kind, got = e["type"], e.get("input")
-    if kind == "missing" and raw and isinstance(raw[-1], int):
-        # A missing item of a fixed-length array (optim.betas.1): report the array's length.
-        raw, loc, kind = raw[:-1], loc[:-1], "too_short"
-    if kind in ("too_short", "too_long"):
-        size = len(get_args(_table_at(raw[:-1]).model_fields[raw[-1]].annotation))
-        return ".".join(loc), f"must be an array of {size} items (got {_show(got)})"
-    if kind == "extra_forbidden":
-        what = "table" if isinstance(got, dict) else "key"
-        known = ", ".join(_table_at(raw[:-1]).model_fields)
-        return ".".join(loc), f"unknown {what}; expected one of {known}"
-    if kind == "missing":
-        is_table = isinstance(_table_at(raw), type) and issubclass(_table_at(raw), Table)
-        return ".".join(loc), f"required {'table' if is_table else 'key'} is missing"
-    if kind == "value_error":
-        # Our validators name the sub-key themselves: "sub: message".
-        msg = e["msg"].removeprefix("Value error, ")
-        if re.match(r"^[\w.]+: ", msg):
-            sub, msg = msg.split(": ", 1)
-            loc = sub.split(".") if sub.split(".")[0] in Recipe.model_fields and not loc else loc + [sub]
-        return ".".join(loc), msg
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        choices = f"choose one of {', '.join(LOSS_TYPES)}"
-        if kind == "union_tag_not_found":
-            return ".".join(loc + ["type"]), f"required key is missing; {choices}"
-        return ".".join(loc + ["type"]), f"unknown loss type; {choices} (got {got.get('type')!r})"
-    if kind in _BOUNDS:
-        limit = next(iter(e["ctx"].values()))
-        return ".".join(loc), f"must be {_BOUNDS[kind]} {limit} (got {_show(got)})"
-    if kind in _TYPE_NAMES:
-        return ".".join(loc), f"must be {_TYPE_NAMES[kind]} (got {_show(got)})"
-    msg = re.sub(r"^(Input|String|Tuple|List|Value) should", "must", e["msg"])
-    return ".".join(loc), f"{msg[0].lower()}{msg[1:]} (got {_show(got)})"
-
-
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError.
 
     Errors name the file; those caused by an override name it as `FILE (--set)`.
     """
-    path = Path(path)
-    try:
-        tree = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(str(path), "", f"invalid TOML: {e}") from None
-    via_set = f"{path} (--set)"
-    overridden = []
-    for text in overrides:
-        key, value = parse_override(text, via_set)
-        _set_path(tree, key, value, via_set)
-        overridden.append(key)
+    return load(Recipe, Path(path), overrides, prepare=_arrays_as_tuples)
+
+
+def _arrays_as_tuples(tree: dict[str, Any]) -> None:
+    # TOML has arrays, the strict schema has fixed-length tuples.
     optim = tree.get("optim")
     if isinstance(optim, dict) and isinstance(optim.get("betas"), list):
         optim["betas"] = tuple(optim["betas"])
-    try:
-        return Recipe.model_validate(tree)
-    except ValidationError as e:
-        key, msg = _first_error(e)
-        hit = any(f"{key}.".startswith(f"{k}.") or f"{k}.".startswith(f"{key}.") for k in overridden)
-        raise ConfigError(via_set if hit else str(path), key, msg) from None
 
 
 def to_toml(recipe: Recipe) -> str:

@@ -6,31 +6,20 @@ Two kinds of file, both parsed into frozen models that reject unknown keys (like
   its field names, its samples per problem and, where the paper used one, its own prompt template.
 - an optional eval TOML (`--protocol FILE`) with `[protocol]`, `[engine]` and `[grader]` tables.
   The defaults are the paper's protocol (M2PO, arXiv 2510.01161); precedence is defaults < file <
-  `--set key.path=value`.
+  `--set key.path=value`, through the loader recipes use (`tomlconf`).
 This module imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ValidationError, model_validator
+from pydantic import model_validator
 
-from m2po_cli.config import (
-    _BOUNDS,
-    _TYPE_NAMES,
-    PAPER_PROMPT_TEMPLATE,
-    ConfigError,
-    Table,
-    _set_path,
-    _show,
-    check_template,
-    field,
-    parse_override,
-)
+from m2po_cli.config import PAPER_PROMPT_TEMPLATE, check_template
+from m2po_cli.tomlconf import ConfigError, Table, field, load
 
 EVALS_DIR = Path(__file__).resolve().parents[1] / "evals"
 BENCHMARKS_TOML = EVALS_DIR / "benchmarks.toml"
@@ -134,53 +123,11 @@ class BenchmarkSpec(Table):
 # --- loading -------------------------------------------------------------------------------------
 
 
-def _read_toml(path: Path) -> dict:
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(str(path), "", f"invalid TOML: {e}") from None
-
-
-def _validate(model: type[Table], tree: dict, source: str) -> Table:
-    try:
-        return model.model_validate(tree)
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc, msg = [str(p) for p in err["loc"]], _problem(err)
-        if err["type"] == "value_error" and re.match(r"^\w+: ", msg):  # our validators name the key
-            sub, msg = msg.split(": ", 1)
-            loc.append(sub)
-        raise ConfigError(source, ".".join(loc), msg) from None
-
-
-def _problem(err: dict) -> str:
-    """A pydantic error phrased as the recipe loader phrases it."""
-    kind, got = err["type"], _show(err.get("input"))
-    if kind in _BOUNDS:
-        return f"must be {_BOUNDS[kind]} {next(iter(err['ctx'].values()))} (got {got})"
-    if kind in _TYPE_NAMES:
-        return f"must be {_TYPE_NAMES[kind]} (got {got})"
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required key is missing"
-    if kind == "value_error":
-        return err["msg"].removeprefix("Value error, ")
-    return f"{err['msg']} (got {got})"
-
-
-def load_eval_config(path: str | Path | None = None, overrides: list[str] = ()) -> EvalConfig:
+def load_eval_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> EvalConfig:
     """Defaults < the eval TOML at `path` < `--set key.path=value` overrides. Raises ConfigError."""
-    source = str(path) if path is not None else "eval defaults"
-    tree = _read_toml(Path(path)) if path is not None else {}
-    for text in overrides:
-        key, value = parse_override(text, f"{source} (--set)")
-        _set_path(tree, key, value, f"{source} (--set)")
-    if overrides:
-        source = f"{source} (--set)"
-    return _validate(EvalConfig, tree, source)
+    return load(
+        EvalConfig, Path(path) if path is not None else None, overrides, default_source="eval defaults"
+    )
 
 
 class BenchmarkSet(Table):
@@ -197,7 +144,7 @@ class BenchmarkSet(Table):
 
 def load_benchmarks(names: list[str] | None = None, path: Path = BENCHMARKS_TOML) -> list[BenchmarkSpec]:
     """The benchmarks defined in `path`: all in file order, or those in `names` in that order."""
-    specs = {b.name: b for b in _validate(BenchmarkSet, _read_toml(path), str(path)).benchmark}
+    specs = {b.name: b for b in load(BenchmarkSet, path).benchmark}
     if names is None:
         return list(specs.values())
     unknown = [n for n in names if n not in specs]

@@ -93,12 +93,18 @@ def test_protocol_defaults_are_the_papers():
     "overrides, message",
     [
         (["protocol.top_p=1.5"], "protocol.top_p: must be <= 1.0 (got 1.5)"),
-        (["protocol.tmperature=1"], "protocol.tmperature: unknown key"),
+        (
+            ["protocol.tmperature=1"],
+            "protocol.tmperature: unknown key; expected one of prompt_template, temperature, top_p, "
+            "max_new_tokens, max_prompt_tokens, samples",
+        ),
+        (["data.dri=1"], "data.dri: unknown key; expected one of dir"),
         (['protocol.prompt_template="no slot"'], "protocol.prompt_template: must contain {problem}"),
         (["protocol.samples=0"], "protocol.samples: must be >= 1 (got 0)"),
     ],
 )
 def test_eval_config_errors_name_the_key(overrides, message):
+    """The loader recipes use: the same one-line errors for eval configs."""
     with pytest.raises(ConfigError) as e:
         load_eval_config(None, overrides)
     assert str(e.value) == f"eval defaults (--set): {message}"
@@ -429,3 +435,13 @@ def test_weights_reloaded_into_the_engine_are_the_ones_used(run_dir):
         ].tolist()
         assert tokens == expected[: len(tokens)] and len(tokens) > 0, model_dir
     assert outputs[0] != outputs[1]
+
+
+def test_benchmark_file_errors_name_the_item(tmp_path):
+    text = (EVALS_DIR / "benchmarks.toml").read_text()
+    bad = tmp_path / "benchmarks.toml"
+    bad.write_text(text.replace("\n[benchmark.hub]\n", "\n[benchmark.hub]\nsplt = 1\n", 1))
+    with pytest.raises(
+        ConfigError, match=r"benchmarks\.toml: benchmark\.0\.hub\.splt: unknown key; expected one of path"
+    ):
+        load_benchmarks(path=bad)
