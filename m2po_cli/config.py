@@ -61,18 +61,33 @@ class ModelConfig(Table):
 
     @model_validator(mode="after")
     def _check_path(self) -> ModelConfig:
-        p = self.path
-        if p.startswith("builtin:"):
-            if p not in BUILTIN_MODELS:
-                raise ValueError(f"path: unknown builtin {p!r}; choose one of {', '.join(BUILTIN_MODELS)}")
-        elif p.startswith(("/", ".", "~")) or Path(p).expanduser().exists():
-            if not Path(p).expanduser().is_dir():
-                raise ValueError(f"path: model directory not found: {p}")
-        elif not HUB_ID.match(p):
-            raise ValueError(
-                f"path: {p!r} is neither an existing directory, a hub id (org/name) nor a builtin"
-            )
+        try:
+            model_source(self.path)
+        except ValueError as e:
+            raise ValueError(f"path: {e}") from None
         return self
+
+
+def model_source(path: str) -> Literal["builtin", "local", "hub"]:
+    """What a model path names: the one rule for recipes, `m2po eval` and `models.resolve_model`.
+
+    A path that exists, starts like a path (`/`, `.`, `~`) or starts with an existing folder (`runs/x`)
+    is local, never a hub id. Raises ValueError with a one-line reason.
+    """
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin {path!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+        return "builtin"
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return "local"
+    if path.startswith(("/", ".", "~")) or local.exists():
+        raise ValueError(f"model directory not found: {path}")
+    if HUB_ID.match(path) and Path(local.parts[0]).is_dir():
+        raise ValueError(f"model directory not found: {path} ({local.parts[0]}/ is a local folder)")
+    if not HUB_ID.match(path):
+        raise ValueError(f"{path!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+    return "hub"
 
 
 class SyntheticConfig(Table):

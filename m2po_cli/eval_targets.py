@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 from m2po_cli import checkpoint
-from m2po_cli.config import BUILTIN_MODELS, HUB_ID
+from m2po_cli.config import model_source
 from m2po_cli.models import ModelError, check_model_dir
 
 
@@ -86,11 +87,12 @@ def resolve_targets(args: list[str], all_checkpoints: bool) -> list[Target]:
 def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
     path = Path(arg).expanduser()
     if not path.exists():
-        if arg in BUILTIN_MODELS or (HUB_ID.match(arg) and not arg.startswith((".", "/", "~"))):
-            if Path(path.parts[0]).is_dir():  # `runs/typo`: a local folder, not a hub organisation
-                raise TargetError(f"{arg}: checkpoint not found ({path.parts[0]}/ is a local folder)")
-            return [Target(arg, "hub", arg)]
-        raise TargetError(f"{arg}: checkpoint not found")
+        try:
+            model_source(arg)  # a builtin or a hub id; anything else names a local path
+        except ValueError as e:
+            folder = re.search(r"\(.*\)$", str(e))  # `runs/typo`: `runs/` is a local folder
+            raise TargetError(f"{arg}: checkpoint not found{' ' + folder.group() if folder else ''}") from None
+        return [Target(arg, "hub", arg)]
     path = path.resolve()
     if _is_run(path):
         return _run_targets(path, all_checkpoints)

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from m2po_cli.config import HUB_ID
+from m2po_cli.config import model_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -110,18 +110,15 @@ class ModelError(ValueError):
 
 def resolve_model(path: str) -> Path:
     """A local HF-format model directory for `path`: a directory, a hub id or a builtin name."""
-    if path.startswith("builtin:"):
-        if path not in BUILTINS:
-            raise ModelError(f"unknown builtin model {path!r}; choose one of {', '.join(BUILTINS)}")
+    try:
+        source = model_source(path)
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    if source == "builtin":
         return _build_cached(path.removeprefix("builtin:"), BUILTINS[path])
-    local = Path(path).expanduser()
-    if local.is_dir():
-        return local
-    if HUB_ID.match(path):
-        return _download(path)
-    raise ModelError(
-        f"model path {path!r} is neither an existing directory, a hub id (org/name) nor a builtin"
-    )
+    if source == "local":
+        return Path(path).expanduser()
+    return _download(path)
 
 
 def _download(hub_id: str) -> Path:
