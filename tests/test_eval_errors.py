@@ -155,3 +155,25 @@ def test_a_target_failing_late_leaves_the_others_results_written(model, tmp_path
     assert [t["label"] for t in results["targets"]] == ["tiny"]
     assert results["targets"][0]["benchmarks"]["aime24"]["evaluated"] == 1
     assert "| tiny |" in (out / "results.md").read_text()
+
+
+@needs_data
+def test_a_hub_id_the_hub_cannot_provide_is_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "m2po_cli",
+        "eval",
+        "nobody/no-such-model",
+        *CHEAP,
+        "--data-dir",
+        str(BENCHMARKS),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("nobody/no-such-model: not a local directory, and the hub did not provide it"), (
+        last
+    )
