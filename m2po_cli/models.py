@@ -151,7 +151,7 @@ def check_model_dir(model_dir: Path) -> None:
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelError(f"{model_dir}: no tokenizer files (tokenizer.json); copy them from the base model")
     config = model_dir / "tokenizer_config.json"
-    has_template = (model_dir / "chat_template.jinja").is_file() or (
+    has_template = any((model_dir / f).is_file() for f in ("chat_template.jinja", "chat_template.json")) or (
         config.is_file() and "chat_template" in json.loads(config.read_text())
     )
     if not has_template:
