@@ -43,6 +43,7 @@ def synthetic_run(run_dir: Path) -> Path:
         for u in range(UPDATES):
             update = step * UPDATES + u
             staleness = min(update, 256)
+            recorder.pick(step, update, [0], [TOKENS])  # as the trainer does before each update
             recorder.add(_sample(g, update, staleness), {"loss/clip_frac": 0.0, "loss/num_tokens": 0.0})
         recorder.write(step)
     return run_dir

@@ -84,6 +84,7 @@ class Recorder:
         self.rank, self.world = rank, world
         self.samples: list[Sample] = []
         self.updates: list[dict[str, float]] = []
+        self.picked_for: int | None = None  # the update `pick` last chose rows of, until `add`
 
     def start(self, first_step: int) -> None:
         """Drop records of steps >= `first_step` left by a killed run: the resumed run redoes them."""
@@ -105,6 +106,7 @@ class Recorder:
         every rank runs the same forwards. With fewer rows than ranks, a rank without a row of its
         own scores a copy of one and drops it.
         """
+        self.picked_for = update
         if self.cfg.tokens == 0:
             chosen = list(rows)
         else:
@@ -121,10 +123,13 @@ class Recorder:
         ].tolist(), True
 
     def add(self, sample: Sample | None, metrics: dict[str, float]) -> None:
-        """Keep one update's sample with the metrics training logged for that update."""
+        """Keep one update's sample (None: no rows on this rank, or not a recorded step) and the
+        metrics training logged for the update, if rows of it were picked."""
         if sample is not None:
             self.samples.append(sample)
-            self.updates.append({"update": int(sample.update_R[0]), **metrics})
+        if self.picked_for is not None:
+            self.updates.append({"update": self.picked_for, **metrics})
+            self.picked_for = None
 
     def write(self, step: int) -> None:
         """Gather every rank's samples of a recorded step, write them (rank 0); a collective."""

@@ -296,8 +296,9 @@ def sample(update: int, lengths: list[int]) -> Sample:
 
 
 def test_records_round_trip_and_a_resumed_run_drops_what_it_redoes(tmp_path):
-    recorder = Recorder(tmp_path, InspectConfig(every=1), seed=0, rank=0, world=1)
+    recorder = Recorder(tmp_path, InspectConfig(every=1, tokens=0), seed=0, rank=0, world=1)
     for step in range(4):
+        assert recorder.pick(step, step, [0, 1, 2], [3, 1, 4]) == ([0, 1, 2], True)  # as the trainer does
         recorder.add(sample(step, [3, 1, 4]), {"loss/clip_frac": 0.25, "loss/num_tokens": 8.0})
         recorder.write(step)
     (tmp_path / "inspect" / ".step-000004.safetensors.tmp").write_bytes(b"half")  # killed mid-write
@@ -366,6 +367,7 @@ def test_console_headline_shows_the_share_the_loss_masked():
 def test_every_loss_type_can_be_the_run_loss(tmp_path, run_loss, behaviour):
     recorder = Recorder(tmp_path, InspectConfig(every=1), seed=0, rank=0, world=1)
     for step in range(3):
+        recorder.pick(step, step, [0, 1, 2, 3], [5, 2, 7, 1])
         recorder.add(sample(step, [5, 2, 7, 1]), {"loss/clip_frac": 0.0, "loss/num_tokens": 15.0})
         recorder.write(step)
     records = load_records(tmp_path)
