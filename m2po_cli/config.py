@@ -148,6 +148,14 @@ class RolloutConfig(Table):
         0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1
     )
     enforce_eager: bool = field(True, "Skip CUDA-graph/compile capture: faster start, slower steady state.")
+    tensor_parallel_size: int = field(
+        1, "Ranks that share one engine (tensor parallel); each group of them generates its own share.", ge=1
+    )
+    sleep_level: Literal[0, 1, 2] = field(
+        1,
+        "GPU: vLLM sleep level while the learner trains (0: stay awake; 1: weights to host RAM, KV cache "
+        "freed; 2: both freed). The CPU has no sleep mode.",
+    )
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutConfig:

@@ -12,10 +12,14 @@ log pi(token_t | tokens_<t) at the sampling temperature (t = 0 is 0); `mask_BL` 
 from __future__ import annotations
 
 import atexit
+import collections
+import functools
+import json
 import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,18 +241,65 @@ class Learner:
 
     # --- weights out ------------------------------------------------------------------------------
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights under HF names; a collective: every rank must call it."""
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return self.arch.adapter.to_hf(full)
+    def hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights under HF names, cast to `dtype`, one parameter at a time.
 
-    def export_hf(self, out_dir: Path, model_dir: Path) -> None:
-        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes)."""
-        state = self.hf_state_dict()
+        A collective: every rank must exhaust the iterator, in step with the others (each parameter's
+        `full_tensor()` is an all-gather). Only one full parameter exists at a time, on the learner's
+        device; nothing is copied to the host. A tied output layer is not sent (it is the embedding).
+        """
+        for name, value in self.model.state_dict().items():
+            hf_name = self._hf_names.get(_plain_fqn(name))
+            if hf_name is None:
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            ((converted_name, converted),) = self.arch.adapter.to_hf({_plain_fqn(name): full}).items()
+            assert converted_name == hf_name, (converted_name, hf_name)
+            yield hf_name, converted.detach().to(dtype)
+
+    @functools.cached_property
+    def _hf_names(self) -> dict[str, str]:
+        """torchtitan FQN -> HF name of every parameter the HF checkpoint holds (from shapes only)."""
+        names = {}
+        for name, value in self.model.state_dict().items():
+            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            converted = self.arch.adapter.to_hf({_plain_fqn(name): meta})
+            if converted:
+                ((names[_plain_fqn(name)], _),) = converted.items()
+        return names
+
+    def export_hf(self, out_dir: Path, model_dir: Path, shard_bytes: int = 4 * 2**30) -> None:
+        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes).
+
+        Streams: at most one shard of `shard_bytes` is held on the host; several shards get an
+        HF `model.safetensors.index.json`.
+        """
+        dtype = getattr(torch, export_dtype(self.recipe.model.dtype))
+        plan = _shard_plan(self._export_sizes(dtype), shard_bytes)
         if self.rank == 0:
-            write_hf(out_dir, state, model_dir, self.recipe.model.dtype)
+            out_dir.mkdir(parents=True, exist_ok=True)
+        left = collections.Counter(plan.values())  # tensors still to come, per shard file
+        shard: dict[str, torch.Tensor] = {}
+        for name, tensor in self.hf_weights(dtype):
+            if self.rank != 0:
+                continue
+            shard[name] = tensor.cpu().contiguous()
+            left[plan[name]] -= 1
+            if not left[plan[name]]:
+                save_file(shard, str(out_dir / plan[name]), metadata={"format": "pt"})
+                shard = {}
+        if self.rank != 0:
+            return
+        if len(left) > 1:
+            total = sum(self._export_sizes(dtype).values())
+            index = {"metadata": {"total_size": total}, "weight_map": plan}
+            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        copy_model_files(model_dir, out_dir)
+
+    def _export_sizes(self, dtype: torch.dtype) -> dict[str, int]:
+        state = self.model.state_dict()
+        by_fqn = {_plain_fqn(k): v for k, v in state.items()}
+        return {hf: by_fqn[fqn].numel() * dtype.itemsize for fqn, hf in self._hf_names.items()}
 
     # --- checkpoint state -------------------------------------------------------------------------
 
@@ -281,9 +332,35 @@ def write_hf(out_dir: Path, hf_state: dict[str, torch.Tensor], model_dir: Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, export_dtype(dtype_choice))
     save_file({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"))
+    copy_model_files(model_dir, out_dir)
+
+
+def copy_model_files(model_dir: Path, out_dir: Path) -> None:
+    """The source model's config and tokenizer files (everything but its weights)."""
     for f in Path(model_dir).iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".index.json", ".bin", ".gguf")):
             (out_dir / f.name).write_bytes(f.read_bytes())
+
+
+def _plain_fqn(name: str) -> str:
+    """The module path without the wrappers that activation checkpointing and compile add."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _shard_plan(sizes: dict[str, int], shard_bytes: int) -> dict[str, str]:
+    """HF shard file of each tensor: consecutive tensors fill shards of up to `shard_bytes`."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if groups[-1] and used + size > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], "model.safetensors")
+    n = len(groups)
+    return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups) for name in g}
 
 
 def _advantages_BL(batch: Batch) -> torch.Tensor:

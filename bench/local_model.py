@@ -1,0 +1,69 @@
+"""Randomly initialised Qwen3 checkpoints of a chosen shape, built locally (no hub), for benchmarks.
+
+The weights are random, so only speed and exactness can be measured on them, not quality. The tokenizer
+is the builtin character-level one; the vocabulary is padded to the shape's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = True
+
+    def num_params(self) -> int:
+        d, h = self.hidden_size, self.head_dim
+        attention = d * h * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
+        layer = attention + 3 * d * self.intermediate_size + 2 * d
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * d + d
+
+
+# Qwen3-0.6B's published config (hidden 1024, 28 layers, 16/8 heads of 128, MLP 3072, 151,936 tokens).
+QWEN3_0_6B = Qwen3Shape(1024, 28, 16, 8, 128, 3072, 151_936)
+# Small enough to train a few steps on a CPU; big enough that a weight push moves ~100 MB.
+CPU_BENCH = Qwen3Shape(512, 8, 8, 4, 64, 2048, 16_384)
+# The size the CPU mode of the GPU check runs at.
+TINY = Qwen3Shape(64, 2, 2, 2, 32, 256, 128)
+
+
+def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0) -> Path:
+    """Write an HF Qwen3 checkpoint (fp32 safetensors, config, tokenizer) of `shape` to `out`."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from m2po_cli.models import EOS_TOKEN, PAD_TOKEN, char_tokenizer
+
+    tokenizer = char_tokenizer()
+    eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
+    config = Qwen3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
