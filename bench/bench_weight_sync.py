@@ -80,9 +80,12 @@ def main() -> int:
             memcpy = memcpy_seconds_per_gb(args.repeats)
             gather = timed(lambda: sum(1 for _ in learner.hf_weights(engine.dtype)), args.repeats) / gb
             version = iter(range(1, 10**6))
-            push = timed(
-                lambda: engine.push_weights(learner.hf_weights(engine.dtype), next(version)), args.repeats
-            ) / gb
+            push = (
+                timed(
+                    lambda: engine.push_weights(learner.hf_weights(engine.dtype), next(version)), args.repeats
+                )
+                / gb
+            )
         finally:
             engine.close()
     ratio = push / memcpy

@@ -45,6 +45,12 @@ class RunConfig(Table):
     output_dir: str = field("runs", "Parent folder of run directories.")
     seed: int = field(0, "Seed for data order, sampling and initialisation.", ge=0)
     steps: int = field(100, "Training steps; each step trains on one rollout batch.", ge=1)
+    collective_timeout_minutes: float = field(
+        60.0,
+        "How long a rank waits in a collective (gather, all-reduce) before the run fails; must exceed the "
+        "longest phase one rank may spend alone (generating its share, grading, saving a checkpoint).",
+        gt=0,
+    )
 
 
 class ModelConfig(Table):

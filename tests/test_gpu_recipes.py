@@ -1,0 +1,77 @@
+"""The GPU recipes: their colocated-run settings resolve as the comments say, and the comments state
+what the code does with them (device settings are checked through the functions the learner uses)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.attention import SDPBackend
+
+from m2po_cli.config import load_recipe
+from m2po_cli.learner import mixed_precision
+from m2po_cli.titan import attention_backends
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RECIPES = sorted((ROOT / "recipes").glob("qwen*.toml"))
+
+
+def comment_above(text: str, key: str) -> str:
+    """The comment lines right above the line that sets `key`, joined with spaces."""
+    lines = text.splitlines()
+    (index,) = [i for i, line in enumerate(lines) if re.match(rf"{key}\s*=", line)]
+    block = []
+    for line in reversed(lines[:index]):
+        if not line.startswith("#"):
+            break
+        block.insert(0, line.lstrip("# "))
+    return " ".join(block)
+
+
+def test_gpu_recipes_found():
+    assert len(GPU_RECIPES) == 6
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.stem)
+def test_colocated_settings_match_their_comments(path: Path):
+    recipe, text = load_recipe(path), path.read_text()
+    r = recipe.rollout
+    ranks = int(re.search(r"--nproc-per-node (\d+)", text)[1])
+    assert ranks == 8  # the paper's 8 GPUs
+
+    engine = comment_above(text, "gpu_memory_utilization")
+    assert f"generates its 1/{ranks} of the prompts" in engine
+    assert "half of the GPU" in engine and r.gpu_memory_utilization == 0.5
+    assert f"sleeps (level {r.sleep_level}:" in engine and r.sleep_level == 1
+    assert r.tensor_parallel_size == 1 and "One GPU per engine" in comment_above(text, "tensor_parallel_size")
+
+    updates = re.search(r"(\d+) / (\d+) = (\d+) optimizer updates", comment_above(text, "mini_batch_prompts"))
+    assert tuple(map(int, updates.groups())) == (
+        r.prompts_per_step,
+        recipe.train.mini_batch_prompts,
+        recipe.updates_per_step,
+    )
+    fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "mode"))
+    assert tuple(map(int, fifo.groups())) == (recipe.staleness.s, recipe.updates_per_step, recipe.queue_batches)
+
+    timeout = comment_above(text, "collective_timeout_minutes")
+    assert f"{r.prompts_per_step} x {r.n} responses of up to {r.max_new_tokens:,} tokens over {ranks}" in timeout
+    assert recipe.run.collective_timeout_minutes == 60
+
+    assert recipe.model.dtype == "bfloat16"
+    dtype = comment_above(text, "dtype")
+    assert "fp32 master weights" in dtype and "bf16" in dtype and "fused attention" in dtype
+
+
+def test_device_settings_the_recipes_describe():
+    """bf16 recipes on a GPU: fp32 master weights with bf16 compute and fp32 reduce, fused attention
+    only; fp32 (the CPU's `auto`) has no mixed precision, and the CPU keeps PyTorch's SDPA choice."""
+    policy = mixed_precision("bfloat16")
+    assert policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert mixed_precision("float32") is None
+    fused = attention_backends("cuda", bf16=True)
+    assert fused and SDPBackend.MATH not in fused
+    assert attention_backends("cpu", bf16=False) is None and attention_backends("cuda", bf16=False) is None
