@@ -61,6 +61,11 @@ def test_colocated_settings_match_their_comments(path: Path):
     assert f"{r.prompts_per_step} x {r.n} responses of up to {r.max_new_tokens:,} tokens over {ranks}" in timeout
     assert recipe.run.collective_timeout_minutes == 60
 
+    micro = comment_above(text, "micro_batch_sequences")
+    m = recipe.train.micro_batch_sequences
+    assert micro.startswith(f"{m} sequences of up to {recipe.data.max_prompt_tokens} + {r.max_new_tokens} tokens")
+    assert f"{m * (recipe.data.max_prompt_tokens + r.max_new_tokens) // 1024}k tokens" in micro
+
     assert recipe.model.dtype == "bfloat16"
     dtype = comment_above(text, "dtype")
     assert "fp32 master weights" in dtype and "bf16" in dtype and "fused attention" in dtype
