@@ -3,7 +3,10 @@ what the code does with them (device settings are checked through the functions 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,21 @@ def test_device_settings_the_recipes_describe():
     fused = attention_backends("cuda", bf16=True)
     assert fused and SDPBackend.MATH not in fused
     assert attention_backends("cpu", bf16=False) is None and attention_backends("cuda", bf16=False) is None
+
+
+def test_collective_timeout_comes_from_the_recipe(tmp_path):
+    """The learner's process group waits `run.collective_timeout_minutes` in any collective."""
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from tests.conftest import recipe_for\n"
+        "from m2po_cli.learner import Learner\n"
+        "from m2po_cli.models import resolve_model\n"
+        "from pathlib import Path\n"
+        f"recipe = recipe_for(Path({str(tmp_path)!r}), 'run.collective_timeout_minutes=7.5')\n"
+        "Learner(resolve_model(recipe.model.path), recipe)\n"
+        "print(dist.group.WORLD._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) == 450.0
