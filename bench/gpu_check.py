@@ -225,7 +225,7 @@ def run_checks(
         sync_s = time.perf_counter() - t0
         check.row(
             "weight sync",
-            f"{sync_s:.3f} s for {num_bytes / 1e9:.3f} GB = {num_bytes / sync_s / 1e9:.1f} GB/s "
+            f"{sync_s:.3f} s for {num_bytes / 1e6:,.1f} MB = {num_bytes / sync_s / 1e9:.2f} GB/s "
             f"(device copy {bandwidth / 1e9:.0f} GB/s: {sync_s / (num_bytes / bandwidth):.1f}x)",
         )
         engine.require_version(learner.version)

@@ -41,6 +41,9 @@ def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0) -> Path:
     """Write an HF Qwen3 checkpoint (fp32 safetensors, config, tokenizer) of `shape` to `out`."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     from m2po_cli.models import EOS_TOKEN, PAD_TOKEN, char_tokenizer
 

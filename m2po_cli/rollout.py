@@ -108,6 +108,7 @@ def build_llm(
         enforce_eager=enforce_eager,
         worker_extension_cls="m2po_cli.vllm_worker.WeightSync",
         enable_prefix_caching=True,
+        use_tqdm_on_load=False,  # the console shows the user's run, not vLLM's progress bars
         seed=0,
         **memory,
         **engine_args,
