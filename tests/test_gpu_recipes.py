@@ -58,15 +58,23 @@ def test_colocated_settings_match_their_comments(path: Path):
         recipe.updates_per_step,
     )
     fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "mode"))
-    assert tuple(map(int, fifo.groups())) == (recipe.staleness.s, recipe.updates_per_step, recipe.queue_batches)
+    assert tuple(map(int, fifo.groups())) == (
+        recipe.staleness.s,
+        recipe.updates_per_step,
+        recipe.queue_batches,
+    )
 
     timeout = comment_above(text, "collective_timeout_minutes")
-    assert f"{r.prompts_per_step} x {r.n} responses of up to {r.max_new_tokens:,} tokens over {ranks}" in timeout
+    assert (
+        f"{r.prompts_per_step} x {r.n} responses of up to {r.max_new_tokens:,} tokens over {ranks}" in timeout
+    )
     assert recipe.run.collective_timeout_minutes == 60
 
     micro = comment_above(text, "micro_batch_sequences")
     m = recipe.train.micro_batch_sequences
-    assert micro.startswith(f"{m} sequences of up to {recipe.data.max_prompt_tokens} + {r.max_new_tokens} tokens")
+    assert micro.startswith(
+        f"{m} sequences of up to {recipe.data.max_prompt_tokens} + {r.max_new_tokens} tokens"
+    )
     assert f"{m * (recipe.data.max_prompt_tokens + r.max_new_tokens) // 1024}k tokens" in micro
 
     assert recipe.model.dtype == "bfloat16"
@@ -98,6 +106,8 @@ def test_collective_timeout_comes_from_the_recipe(tmp_path):
         "print(dist.group.WORLD._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) == 450.0
