@@ -74,6 +74,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             batch = queue.pop()
             staleness = learner.version - batch.version
             t1 = time.perf_counter()
+            engine.sleep()  # the learner gets the device (GPU); the push at the end wakes the engine
             metrics = train_on(batch, learner, loss_fn, engine, recipe, recorder, step)
             metrics.update(rollout_metrics(batch, staleness))
             metrics.update({"time/rollout": t1 - t0, "time/train": time.perf_counter() - t1})
@@ -193,7 +194,7 @@ def train_on(
     recorder: Recorder,
     step: int,
 ) -> dict[str, float]:
-    """All optimizer updates of one rollout batch; the engine gets the weights after each."""
+    """All optimizer updates of one rollout batch; then the engine gets the new weights (waking up)."""
     advantages = grpo_advantages(batch.rewards_PG, recipe.algorithm.normalize_std, recipe.algorithm.std_eps)
     advantages = advantages.flatten()
     num_updates = recipe.updates_per_step
@@ -209,7 +210,8 @@ def train_on(
         m = learner.update(rows_batch, loss_fn, num_tokens)
         t1 = time.perf_counter()
         recorder.add(sample, m)
-        sync_weights(learner, engine)
+        if u == num_updates - 1:  # the engine samples again only after the step's last update
+            sync_weights(learner, engine)
         m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
         m["perf/learner_tokens_per_s"] = float(rows_batch.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():

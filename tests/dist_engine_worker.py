@@ -23,7 +23,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.rollout import VLLMEngine
 from m2po_cli.staleness import RolloutBatch
 from m2po_cli.train import sync_weights, train_on
-from tests.test_weight_sync import logprob_gap
+from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
@@ -80,7 +80,9 @@ def main(out: Path) -> None:
         for step in range(2):
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)
             record["generated"].append(mine)
-            train_on(batch, learner, build_loss(recipe.loss), None, recipe)  # no engine: the push is skipped
+            train_on(
+                batch, learner, build_loss(recipe.loss), None, recipe, no_record(recipe, learner), 0
+            )  # no engine: the push is skipped
             record["stale"].append(logprob_gap(engine, learner, probe))
             try:
                 engine.require_version(learner.version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from m2po_cli.data import encode_prompt
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.record import Recorder
 from m2po_cli.rollout import VLLMEngine
 from m2po_cli.staleness import RolloutBatch
 from m2po_cli.train import to_batch, train_on
@@ -36,6 +38,12 @@ def logprob_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]
     rows = to_batch(batch, range(len(sequences)), torch.zeros(len(sequences)))
     learner_BL, _ = learner.score(rows)
     return float(((learner_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL).max())
+
+
+def no_record(recipe, learner: Learner) -> Recorder:
+    """A recorder that records nothing (`inspect.every = 0`)."""
+    cfg = recipe.inspect.model_copy(update={"every": 0})
+    return Recorder(Path(recipe.run.output_dir), cfg, 0, learner.rank, learner.world)
 
 
 def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> RolloutBatch:
@@ -79,7 +87,9 @@ def test_push_makes_engine_match_learner(model, tmp_path):
 
         for _ in range(2):
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(batch, learner, build_loss(recipe.loss), None, recipe)  # no engine: no push
+            train_on(
+                batch, learner, build_loss(recipe.loss), None, recipe, no_record(recipe, learner), 0
+            )  # no engine: no push
             stale = logprob_gap(engine, learner, probe)
             # The check below is only meaningful if a missed push is visible to it.
             assert stale > 1e-3, f"the update moved the probe's logprobs by only {stale:.2e}"
