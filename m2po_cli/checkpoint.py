@@ -1,8 +1,10 @@
 """DCP checkpoints of a run: sharded model and optimizer, plus the loop state.
 
 `<run>/checkpoints/step-NNNNNN/` holds the DCP shards of model and optimizer (every rank writes its
-own), and `loop.pt` (rank 0): the step, the learner's version and LR schedule, the staleness FIFO,
-the data position and the RNG states. Then rank 0 writes `MANIFEST.json` (every file of the folder
+own), each rank's rows of the staleness FIFO (`queue-RRRRR-of-WWWWW.safetensors`, see
+`StalenessQueue.save`), and `loop.pt` (rank 0, tensors and plain values, read with
+`weights_only=True`): the step, the learner's version and LR schedule, the data position and the
+RNG state. Then rank 0 writes `MANIFEST.json` (every file of the folder
 with its size), syncs the files and the folder to disk, and writes `COMPLETE` last.
 
 A step counts only if it verifies (`verify`): `COMPLETE` is there, every file of the manifest has its
@@ -18,7 +20,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from m2po_cli.staleness import StalenessQueue
 
 STEP_PREFIX = "step-"
 DONE = "COMPLETE"
@@ -109,13 +114,17 @@ def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     return answer[0]
 
 
-def save(run_dir: Path, step: int, learner, loop_state: dict, keep: int) -> Path:
+def save(run_dir: Path, step: int, learner, loop_state: dict, keep: int, queue: StalenessQueue) -> Path:
     """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     path = step_dir(run_dir, step)
+    path.mkdir(parents=True, exist_ok=True)
+    # Before dcp.save, which returns on rank 0 only once every rank's writes are done: the queue
+    # shards are on disk before rank 0 lists the folder into the manifest.
+    queue.save(path, dist.get_rank(), dist.get_world_size())
     dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
     if dist.get_rank() == 0:
         state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
@@ -158,14 +167,16 @@ def read_loop(path: Path) -> dict:
     """The loop state saved beside the shards."""
     import torch
 
-    return torch.load(path / LOOP, weights_only=False)
+    return torch.load(path / LOOP, weights_only=True)
 
 
-def load(path: Path, learner) -> dict:
-    """Restore the learner in place; return the loop state saved beside it."""
+def load(path: Path, learner, queue: StalenessQueue) -> dict:
+    """Restore the learner and this rank's queue in place; return the loop state saved beside it."""
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    queue.load(path, dist.get_rank(), dist.get_world_size())
     state = learner.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     learner.load_state_dict(state)

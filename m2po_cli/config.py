@@ -235,6 +235,12 @@ class TrainConfig(Table):
         0, "Prompts per optimizer update; 0 means the whole rollout batch (one update per step).", ge=0
     )
     micro_batch_sequences: int = field(64, "Sequences per forward/backward (gradient accumulation).", ge=1)
+    micro_batch_tokens: int = field(
+        0,
+        "Token budget per forward/backward: rows sorted by length, a micro-batch padded to its longest "
+        "row holds at most this many tokens (a longer row goes alone); 0: no budget.",
+        ge=0,
+    )
     compile: bool = field(False, "torch.compile the model.")
     activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
 

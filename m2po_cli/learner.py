@@ -5,8 +5,9 @@ GPU). Gradients are SUMMED across ranks, never averaged: each rank's loss is alr
 global token count of the optimizer batch, so the sum is the token-mean over the whole batch (and gloo
 has no PREMUL_SUM/AVG reduce-scatter anyway).
 
-Sequences are right-padded `[B, L]` rows: prompt then response. Position t of `logprobs_BL` holds
-log pi(token_t | tokens_<t) at the sampling temperature (t = 0 is 0); `mask_BL` marks response tokens.
+Sequences are right-padded `[B, L]` rows: prompt then response; `mask_BL` marks response tokens.
+On the mask, position t of `logprobs_BL` holds log pi(token_t | tokens_<t) at the sampling
+temperature; elsewhere it is 0 (only response tokens are scored, see `logprobs.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
+from m2po_cli.logprobs import install_head, score_request
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.rollout import resolve_dtype
 from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
@@ -83,15 +85,15 @@ class Batch:
     advantages_B: torch.Tensor  # float32
     lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
 
-    def rows(self, start: int, stop: int) -> Batch:
-        """Rows [start, stop), trimmed to their own longest row."""
-        length = int(self.lengths_B[start:stop].max())
+    def take(self, index_K: torch.Tensor) -> Batch:
+        """Rows at `index_K`, trimmed to their own longest row."""
+        length = int(self.lengths_B[index_K].max())
         return Batch(
-            self.tokens_BL[start:stop, :length],
-            self.mask_BL[start:stop, :length],
-            self.behaviour_logprobs_BL[start:stop, :length],
-            self.advantages_B[start:stop],
-            self.lengths_B[start:stop],
+            self.tokens_BL[index_K, :length],
+            self.mask_BL[index_K, :length],
+            self.behaviour_logprobs_BL[index_K, :length],
+            self.advantages_B[index_K],
+            self.lengths_B[index_K],
         )
 
     @property
@@ -99,16 +101,25 @@ class Batch:
         return self.tokens_BL.shape[0]
 
 
-def token_logprobs(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) of each next token, shifted so position t scores tokens_BL[:, t]."""
-    logp_BLV = torch.log_softmax(logits_BLV[:, :-1].float() / temperature, dim=-1)
-    picked_BL = logp_BLV.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
-    return torch.nn.functional.pad(picked_BL, (1, 0))
+def micro_batches(lengths_B: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices of each micro-batch: rows sorted longest first, cut greedily so that a
+    micro-batch has at most `max_rows` rows and, padded to its longest, at most `max_tokens` tokens
+    (0: no token budget; a row longer than the budget goes alone)."""
+    order_B = torch.sort(lengths_B, descending=True, stable=True).indices
+    sorted_lengths = lengths_B[order_B].tolist()
+    cuts = [0]
+    for i in range(1, len(sorted_lengths)):
+        count = i - cuts[-1] + 1  # rows if row i joins; the first row of a micro-batch is its longest
+        if count > max_rows or (max_tokens and count * sorted_lengths[cuts[-1]] > max_tokens):
+            cuts.append(i)
+    ends = cuts[1:] + [len(sorted_lengths)]
+    return [order_B[a:b] for a, b in zip(cuts, ends, strict=True)] if sorted_lengths else []
 
 
-def token_entropy(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
-    logp_BLV = torch.log_softmax(logits_BLV[:, :-1].float() / temperature, dim=-1)
-    return torch.nn.functional.pad(-(logp_BLV.exp() * logp_BLV).sum(-1), (1, 0))
+def padding_overhead(lengths_B: torch.Tensor, parts: list[torch.Tensor]) -> float:
+    """Padded tokens computed over real tokens, for the micro-batches `parts`."""
+    padded = sum(len(p) * int(lengths_B[p].max()) for p in parts if len(p))
+    return padded / max(int(lengths_B.sum()), 1)
 
 
 class Learner:
@@ -120,6 +131,7 @@ class Learner:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.arch: ModelArch = load_arch(model_dir)
         self.model = self._build(model_dir)
+        self.head = install_head(self.model)
         o = recipe.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -176,27 +188,56 @@ class Learner:
     def forward_logprobs(
         self, batch: Batch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = self.model(batch.tokens_BL.to(self.device))
-        t = self.recipe.rollout.temperature
-        lp = token_logprobs(logits, batch.tokens_BL.to(self.device), t)
-        ent = token_entropy(logits.detach(), t) if with_entropy else None
-        return lp, ent
+        """`[B, L]` logprobs (with grad if enabled) and entropies of the response tokens; 0 elsewhere."""
+        tokens_BL, mask_BL = batch.tokens_BL.to(self.device), batch.mask_BL.to(self.device)
+        request = score_request(tokens_BL, mask_BL, self.recipe.rollout.temperature, with_entropy)
+        self.head.request = request
+        try:
+            logprobs_N, entropy_N = self.model(tokens_BL)
+        finally:
+            self.head.request = None
+        scored_BL = torch.zeros(mask_BL.numel(), dtype=torch.bool, device=self.device)
+        scored_BL[request.source_N + 1] = True
+        scored_BL = scored_BL.view(mask_BL.shape)
+        lp_BL = torch.zeros(mask_BL.shape, device=self.device).masked_scatter(scored_BL, logprobs_N)
+        if entropy_N is None:
+            return lp_BL, None
+        return lp_BL, torch.zeros_like(lp_BL).masked_scatter(scored_BL, entropy_N)
+
+    def micro_batches(self, batch: Batch) -> list[torch.Tensor]:
+        """This rank's micro-batches (`micro_batches`), padded with empty ones to the largest count
+        of any rank: FSDP2 gathers weights in every forward, so all ranks run the same number."""
+        t = self.recipe.train
+        parts = micro_batches(batch.lengths_B, t.micro_batch_sequences, t.micro_batch_tokens)
+        count = torch.tensor([len(parts)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return parts + [torch.zeros(0, dtype=torch.long)] * (int(count) - len(parts))
 
     @torch.no_grad()
-    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Current-policy logprobs and entropies of `batch`, micro-batch by micro-batch; `[B, L]`."""
-        mb = self.recipe.train.micro_batch_sequences
-        lps, ents = [], []
-        for start in range(0, batch.num_rows, mb):
-            part = batch.rows(start, min(start + mb, batch.num_rows))
-            lp, ent = self.forward_logprobs(part, with_entropy=True)
-            lps.append(torch.nn.functional.pad(lp, (0, batch.tokens_BL.shape[1] - lp.shape[1])))
-            ents.append(torch.nn.functional.pad(ent, (0, batch.tokens_BL.shape[1] - ent.shape[1])))
-        return torch.cat(lps).cpu(), torch.cat(ents).cpu()
+    def score(self, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Current-policy logprobs (and entropies) of the response tokens of `batch`; `[B, L]`, 0 elsewhere.
+
+        A collective (every rank calls it, with its own rows). No grad; logits are never whole.
+        """
+        logprobs_BL = torch.zeros_like(batch.mask_BL)
+        entropy_BL = torch.zeros_like(batch.mask_BL) if with_entropy else None
+        for index in self.micro_batches(batch):
+            if not index.numel():
+                self.forward_logprobs(_IDLE)
+                continue
+            part = batch.take(index)
+            lp, ent = self.forward_logprobs(part, with_entropy)
+            logprobs_BL[index, : lp.shape[1]] = lp.cpu()
+            if with_entropy:
+                entropy_BL[index, : ent.shape[1]] = ent.cpu()
+        return logprobs_BL, entropy_BL
 
     def update(self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int) -> dict[str, float]:
-        """One optimizer update on this rank's rows; `num_tokens` counts the whole global batch."""
-        mb = self.recipe.train.micro_batch_sequences
+        """One optimizer update on this rank's rows; `num_tokens` counts the whole global batch.
+
+        Micro-batches hold rows of similar length (`micro_batches`); each one's loss is divided by
+        the global `num_tokens`, so the gradient is the token mean whatever the grouping.
+        """
         metrics: dict[str, torch.Tensor] = {}
         aux_BL = None
         if loss_fn.needs_global_pass:
@@ -208,15 +249,18 @@ class Learner:
             metrics.update(global_metrics)
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
-        for start in range(0, batch.num_rows, mb):
-            stop = min(start + mb, batch.num_rows)
-            part = batch.rows(start, stop)
+        for index in self.micro_batches(batch):
+            if not index.numel():
+                lp, _ = self.forward_logprobs(_IDLE)
+                (lp.sum() * 0.0).backward()  # this rank's share of FSDP2's collectives
+                continue
+            part = batch.take(index)
             lp, _ = self.forward_logprobs(part)
             length = part.tokens_BL.shape[1]
-            seen_log_ratio_BL[start:stop, :length] = (
+            seen_log_ratio_BL[index, :length] = (
                 lp.detach().cpu() - part.behaviour_logprobs_BL
             ) * part.mask_BL
-            aux = aux_BL[start:stop, :length].to(self.device) if aux_BL is not None else None
+            aux = aux_BL[index, :length].to(self.device) if aux_BL is not None else None
             loss, m = loss_fn(
                 lp,
                 part.behaviour_logprobs_BL.to(self.device),
@@ -372,6 +416,16 @@ def _shard_plan(sizes: dict[str, int], shard_bytes: int) -> dict[str, str]:
         return dict.fromkeys(groups[0], "model.safetensors")
     n = len(groups)
     return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups) for name in g}
+
+
+# A micro-batch for a rank with none left: one 2-token row whose one scored token has no weight.
+_IDLE = Batch(
+    torch.zeros(1, 2, dtype=torch.long),
+    torch.tensor([[0.0, 1.0]]),
+    torch.zeros(1, 2),
+    torch.zeros(1),
+    torch.tensor([2]),
+)
 
 
 def _advantages_BL(batch: Batch) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`m2po train`: the loop. One named call per phase; staleness is a visible variable of the loop.
 
 Rank 0 owns the rollout engine and the grader (colocated: the engine shares the learner's devices and
-the two alternate); every rank trains its slice of each optimizer batch; rank 0 broadcasts rollouts.
+the two alternate); every rank trains its slice of each optimizer batch. Rank 0 packs each rollout
+batch into flat tensors and `packed.distribute` sends every rank only the rows it trains.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import torch
 import torch.distributed as dist
 
 from m2po_cli import checkpoint
-from m2po_cli.advantages import grpo_advantages
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.grader import Grader
-from m2po_cli.learner import Batch, Learner
+from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, resolve_model
+from m2po_cli.packed import PackedRollouts, all_gather_rows, distribute, owners, pack_groups
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
 from m2po_cli.runlog import RunLog
-from m2po_cli.staleness import RolloutBatch, StalenessQueue
+from m2po_cli.staleness import StalenessQueue
+
+# Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
+MISMATCH_SAMPLE_ROWS = 4
 
 
 def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
@@ -65,12 +69,11 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             if first_step:
                 log.message(f"resumed at step {first_step}, policy version {learner.version}")
         while not queue.warm:  # warm-up batches: from the initial policy, not counted as steps
-            queue.push(
-                rollout(engine, grader, prompts, learner, recipe, len(queue.queue) - recipe.queue_batches)
-            )
+            index = len(queue.queue) - recipe.queue_batches  # trained at step index + K
+            queue.push(rollout(engine, grader, prompts, learner, recipe, recorder, index))
         for step in range(first_step, recipe.run.steps):
             t0 = time.perf_counter()
-            queue.push(rollout(engine, grader, prompts, learner, recipe, step))
+            queue.push(rollout(engine, grader, prompts, learner, recipe, recorder, step))
             batch = queue.pop()
             staleness = learner.version - batch.version
             t1 = time.perf_counter()
@@ -83,8 +86,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
                 log.log(step, metrics)
             every = recipe.checkpoint.every
             if (every and (step + 1) % every == 0) or step + 1 == recipe.run.steps:
-                loop_state = {"step": step + 1, "queue": queue.state_dict(), "data": prompts.state_dict()}
-                checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep)
+                loop_state = {"step": step + 1, "data": prompts.state_dict()}
+                checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, queue)
         if recipe.checkpoint.export_hf:
             learner.export_hf(run_dir / "export", model_dir)
     finally:
@@ -127,66 +130,90 @@ def resume(
             log.message(f"skipping damaged checkpoint {path}: {problem}")
     if last is None:
         return 0
-    loop = checkpoint.load(last, learner)
-    queue.load_state_dict(loop["queue"])
+    loop = checkpoint.load(last, learner, queue)
     prompts.load_state_dict(loop["data"])
     sync_weights(learner, engine)  # the engine still holds the initial weights
     return loop["step"]
 
 
 def rollout(
-    engine: RolloutEngine | None, grader, prompts: PromptBatches, learner: Learner, recipe: Recipe, index: int
-) -> RolloutBatch:
-    """Sample and grade one batch with the current policy (rank 0), share it, score it with the learner."""
+    engine: RolloutEngine | None,
+    grader,
+    prompts: PromptBatches,
+    learner: Learner,
+    recipe: Recipe,
+    recorder: Recorder,
+    index: int,
+) -> PackedRollouts:
+    """Sample and grade one batch with the current policy (rank 0), pack it, give each rank its rows.
+
+    The batch of rollout step `index` is trained at step `index + K`; its rows are all scored at
+    the behaviour version when they are the behaviour logprobs or when that step is recorded.
+    """
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
-    batch = None
+    batch = PackedRollouts.empty(learner.version)
     if learner.rank == 0:
         t0 = time.perf_counter()
         groups = engine.generate([p.token_ids for p in prompt_batch], _seed(recipe.run.seed, index))
         t_gen = time.perf_counter() - t0
-        samples = [c for group in groups for c in group]
         golds = [p.problem.answer for p in prompt_batch for _ in range(recipe.rollout.n)]
-        rewards = grader.grade_many([c.text for c in samples], golds)
-        batch = RolloutBatch(
-            version=learner.version,
-            problem_ids=[p.problem.index for p in prompt_batch],
-            answers=[p.problem.answer for p in prompt_batch],
-            prompts=[p.token_ids for p in prompt_batch],
-            responses=[c.token_ids for c in samples],
-            behaviour_logprobs=[c.logprobs for c in samples],
-            texts=[c.text for c in samples],
-            finished=[c.finished for c in samples],
-            rewards_PG=torch.tensor(rewards, dtype=torch.float32).view(len(prompt_batch), recipe.rollout.n),
-            meta={"time/generate": t_gen, "time/grade": time.perf_counter() - t0 - t_gen},
+        rewards = grader.grade_many([c.text for group in groups for c in group], golds)
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompt_batch), recipe.rollout.n)
+        a = recipe.algorithm
+        batch = pack_groups(
+            learner.version,
+            0,
+            [p.token_ids for p in prompt_batch],
+            groups,
+            rewards_PG,
+            a.normalize_std,
+            a.std_eps,
         )
-    batch = _broadcast(batch)
-    _score_at_behaviour_version(batch, learner)
+        batch.meta = {"time/generate": t_gen, "time/grade": time.perf_counter() - t0 - t_gen}
+    batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
+    recorded = recorder.due(index + recipe.queue_batches)
+    _score_at_behaviour_version(batch, learner, recipe.algorithm.behaviour_logprobs == "learner" or recorded)
     return batch
 
 
-def _score_at_behaviour_version(batch: RolloutBatch, learner: Learner) -> None:
-    """The learner's own logprobs of the batch at the version that generated it (all rows, every rank)."""
-    rows = to_batch(batch, range(len(batch.responses)), torch.zeros(len(batch.responses)))
+def rows_per_update(recipe: Recipe) -> int:
+    return (recipe.train.mini_batch_prompts or recipe.rollout.prompts_per_step) * recipe.rollout.n
+
+
+def _score_at_behaviour_version(batch: PackedRollouts, learner: Learner, everything: bool) -> None:
+    """The learner's logprobs of this rank's rows at the version that generated them, and the
+    engine-vs-learner mismatch metrics. A collective.
+
+    With `everything` every row is scored and kept as `learner_R`; otherwise only a sample of
+    `MISMATCH_SAMPLE_ROWS` rows per rank is scored, for the metrics alone.
+    """
+    num = batch.num_rows if everything else min(MISMATCH_SAMPLE_ROWS, batch.num_rows)
+    index = (
+        torch.linspace(0, batch.num_rows - 1, num).round().long() if num else torch.zeros(0, dtype=torch.long)
+    )
+    rows = batch.to_batch(torch.arange(batch.num_rows) if everything else index)
     t0 = time.perf_counter()
-    logprobs_BL, entropy_BL = learner.score(rows)
-    batch.learner_logprobs = [
-        logprobs_BL[i, len(batch.prompt_of(i)) : len(batch.prompt_of(i)) + len(r)].tolist()
-        for i, r in enumerate(batch.responses)
-    ]
-    diff = (logprobs_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL
-    n = rows.mask_BL.sum().clamp(min=1)
+    logprobs_BL, entropy_BL = learner.score(rows, with_entropy=True)
+    mask_BL = rows.mask_BL.bool()
+    if everything:
+        batch.learner_R = logprobs_BL[mask_BL]
+    diff_BL = (logprobs_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL
+    sums = torch.stack([diff_BL.sum(), rows.mask_BL.sum(), (entropy_BL * rows.mask_BL).sum()]).double()
+    largest = diff_BL.max() if diff_BL.numel() else torch.zeros(())
+    sums, largest = _all_reduce(sums, dist.ReduceOp.SUM), _all_reduce(largest, dist.ReduceOp.MAX)
+    n = sums[1].clamp(min=1)
     batch.meta.update(
         {
-            "rollout/logprob_mismatch_mean": float(diff.sum() / n),
-            "rollout/logprob_mismatch_max": float(diff.max()),
-            "rollout/entropy": float((entropy_BL * rows.mask_BL).sum() / n),
+            "rollout/logprob_mismatch_mean": float(sums[0] / n),
+            "rollout/logprob_mismatch_max": float(largest),
+            "rollout/entropy": float(sums[2] / n),
             "time/score": time.perf_counter() - t0,
         }
     )
 
 
 def train_on(
-    batch: RolloutBatch,
+    batch: PackedRollouts,
     learner: Learner,
     loss_fn,
     engine: RolloutEngine | None,
@@ -194,26 +221,28 @@ def train_on(
     recorder: Recorder,
     step: int,
 ) -> dict[str, float]:
-    """All optimizer updates of one rollout batch; then the engine gets the new weights (waking up)."""
-    advantages = grpo_advantages(batch.rewards_PG, recipe.algorithm.normalize_std, recipe.algorithm.std_eps)
-    advantages = advantages.flatten()
+    """All optimizer updates of one rollout batch (this rank's rows); then the engine gets the new
+    weights (waking up)."""
+    per_update = rows_per_update(recipe)
     num_updates = recipe.updates_per_step
-    per_update = len(batch.responses) // num_updates
+    update_B = batch.row_B // per_update
+    tokens_U = torch.zeros(num_updates, dtype=torch.float64).index_add_(
+        0, update_B, batch.response_len_B.double()
+    )
+    tokens_U = _all_reduce(tokens_U, dist.ReduceOp.SUM)  # the global token count of each update
     totals: dict[str, float] = {}
     for u in range(num_updates):
-        rows = range(u * per_update, (u + 1) * per_update)
-        mine = torch.tensor_split(torch.tensor(list(rows)), learner.world)[learner.rank].tolist()
-        num_tokens = sum(len(batch.responses[i]) for i in rows)
-        rows_batch = to_batch(batch, mine, advantages, recipe.algorithm.behaviour_logprobs)
-        sample = record_sample(recorder, step, batch, list(rows), advantages, learner)
+        index_K = (update_B == u).nonzero().squeeze(1)
+        rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
+        sample = record_sample(recorder, step, batch, index_K, learner)
         t0 = time.perf_counter()
-        m = learner.update(rows_batch, loss_fn, num_tokens)
+        m = learner.update(rows, loss_fn, int(tokens_U[u]))
         t1 = time.perf_counter()
         recorder.add(sample, m)
         if u == num_updates - 1:  # the engine samples again only after the step's last update
             sync_weights(learner, engine)
         m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
-        m["perf/learner_tokens_per_s"] = float(rows_batch.lengths_B.sum()) * learner.world / (t1 - t0)
+        m["perf/learner_tokens_per_s"] = float(rows.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version
@@ -222,38 +251,41 @@ def train_on(
 
 
 def record_sample(
-    recorder: Recorder, step: int, batch: RolloutBatch, rows: list[int], advantages_N: torch.Tensor, learner
+    recorder: Recorder, step: int, batch: PackedRollouts, index_K: torch.Tensor, learner: Learner
 ) -> Sample | None:
-    """This rank's share of the update's recorded rows, scored by the learner just before the update."""
+    """This rank's rows among the update's recorded ones, scored by the learner just before the update.
+
+    The recorder chooses among all rows of the update (their ids and lengths gathered from every
+    rank); each rank scores the chosen rows it holds. A collective.
+    """
     if not recorder.due(step):
         return None
-    picked, keep = recorder.pick(step, learner.version, rows, [len(batch.responses[i]) for i in rows])
-    logprobs_BL, entropy_BL = learner.score(to_batch(batch, picked, advantages_N))
-    if not keep:  # a copy scored so that every rank runs the same forwards
+    rows_N = all_gather_rows(batch.row_B[index_K])  # in rank order, which is row order
+    lengths_N = all_gather_rows(batch.response_len_B[index_K])
+    picked, _ = recorder.pick(step, learner.version, rows_N.tolist(), lengths_N.tolist())
+    chosen_N = all_gather_rows(torch.tensor(picked, dtype=torch.long))
+    mine_K = index_K[torch.isin(batch.row_B[index_K], chosen_N)]
+    padded = batch.to_batch(mine_K)
+    logprobs_BL, entropy_BL = learner.score(padded, with_entropy=True)  # every rank, rows or not
+    if not mine_K.numel():
         return None
-    spans = [(len(batch.prompt_of(i)), len(batch.responses[i])) for i in picked]
-
-    def responses(values_BL: torch.Tensor) -> torch.Tensor:
-        return torch.cat([values_BL[j, p : p + r] for j, (p, r) in enumerate(spans)] + [torch.zeros(0)])
-
-    def packed(per_row: list[list[float]] | None) -> torch.Tensor:
-        rows_ = [per_row[i] if per_row is not None else [0.0] * len(batch.responses[i]) for i in picked]
-        return torch.tensor([x for row in rows_ for x in row], dtype=torch.float32)
+    rows, mask_BL = batch.take(mine_K), padded.mask_BL.bool()
 
     def per_row(value: int) -> torch.Tensor:
-        return torch.full((len(picked),), value, dtype=torch.long)
+        return torch.full((rows.num_rows,), value, dtype=torch.long)
 
+    scored = bool(batch.learner_R.numel())  # every row was scored at its behaviour version
     return Sample(
-        behaviour_logprobs_N=packed(batch.behaviour_logprobs),
-        learner_logprobs_N=packed(batch.learner_logprobs),
-        logprobs_N=responses(logprobs_BL),
-        entropy_N=responses(entropy_BL),
-        lengths_R=torch.tensor([r for _, r in spans], dtype=torch.long),
-        advantages_R=advantages_N[picked].float(),
+        behaviour_logprobs_N=rows.behaviour_R,
+        learner_logprobs_N=rows.learner_R if scored else torch.zeros_like(rows.behaviour_R),
+        logprobs_N=logprobs_BL[mask_BL],
+        entropy_N=entropy_BL[mask_BL],
+        lengths_R=rows.response_len_B,
+        advantages_R=rows.advantages_B,
         staleness_R=per_row(learner.version - batch.version),
         update_R=per_row(learner.version),
-        row_R=torch.tensor(picked, dtype=torch.long),
-        scored_R=torch.full((len(picked),), batch.learner_logprobs is not None),
+        row_R=rows.row_B,
+        scored_R=torch.full((rows.num_rows,), scored),
     )
 
 
@@ -263,54 +295,43 @@ def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
         engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
 
 
-def to_batch(batch: RolloutBatch, rows, advantages_N: torch.Tensor, behaviour: str = "engine") -> Batch:
-    """Right-padded tensors of the chosen rows (prompt + response) with their response mask.
-
-    `behaviour` picks the behaviour logprobs: the engine's, or the learner's at the batch's version.
-    """
-    rows = list(rows)
-    behaviour_logprobs = batch.behaviour_logprobs if behaviour == "engine" else batch.learner_logprobs
-    seqs = [batch.prompt_of(i) + batch.responses[i] for i in rows]
-    length = max((len(s) for s in seqs), default=1)
-    tokens = torch.zeros(len(rows), length, dtype=torch.long)
-    mask = torch.zeros(len(rows), length)
-    behaviour = torch.zeros(len(rows), length)
-    for j, i in enumerate(rows):
-        p, r = len(batch.prompt_of(i)), len(batch.responses[i])
-        tokens[j, : p + r] = torch.tensor(seqs[j])
-        mask[j, p : p + r] = 1.0
-        behaviour[j, p : p + r] = torch.tensor(behaviour_logprobs[i])
-    return Batch(
-        tokens_BL=tokens,
-        mask_BL=mask,
-        behaviour_logprobs_BL=behaviour,
-        advantages_B=advantages_N[rows].float() if rows else torch.zeros(0),
-        lengths_B=torch.tensor([len(s) for s in seqs], dtype=torch.long),
-    )
-
-
-def rollout_metrics(batch: RolloutBatch, staleness: int) -> dict[str, float]:
-    lengths = torch.tensor([len(r) for r in batch.responses], dtype=torch.float32)
-    return {
-        "rollout/reward_mean": float(batch.rewards_PG.mean()),
-        "rollout/solved_groups": float((batch.rewards_PG.max(dim=1).values > 0).float().mean()),
-        "rollout/response_tokens_mean": float(lengths.mean()),
-        "rollout/truncated_frac": 1.0 - sum(batch.finished) / len(batch.finished),
+def rollout_metrics(batch: PackedRollouts, staleness: int) -> dict[str, float]:
+    """Metrics of the whole rollout batch (a collective: sums over every rank's rows)."""
+    lengths_B = batch.response_len_B.double()
+    sums = torch.stack(
+        [
+            torch.tensor(float(batch.num_rows)),
+            batch.rewards_B.double().sum(),
+            batch.solved_B.double().sum(),
+            lengths_B.sum(),
+            batch.finished_B.double().sum(),
+        ]
+    ).double()
+    num_rows, rewards, solved, tokens, finished = _all_reduce(sums, dist.ReduceOp.SUM).tolist()
+    num_rows = max(num_rows, 1.0)
+    metrics = {
+        "rollout/reward_mean": rewards / num_rows,
+        "rollout/solved_groups": solved / num_rows,  # every row of a group carries its group's flag
+        "rollout/response_tokens_mean": tokens / num_rows,
+        "rollout/truncated_frac": 1.0 - finished / num_rows,
         "staleness/min": float(staleness),
         "staleness/mean": float(staleness),
         "staleness/max": float(staleness),
         "staleness/behaviour_version": float(batch.version),
-        "perf/rollout_tokens_per_s": float(lengths.sum()) / max(batch.meta.get("time/generate", 0.0), 1e-9),
-        **{k: v for k, v in batch.meta.items()},
+        **batch.meta,
     }
+    if "time/generate" in batch.meta:
+        metrics["perf/rollout_tokens_per_s"] = tokens / max(batch.meta["time/generate"], 1e-9)
+    return metrics
 
 
-def _broadcast(batch: RolloutBatch | None) -> RolloutBatch:
-    if dist.get_world_size() == 1:
-        return batch
-    box = [batch]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    if dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        y = x.to(device) if device else x.clone()
+        dist.all_reduce(y, op=op)
+        return y.cpu()
+    return x
 
 
 def _seed(run_seed: int, index: int) -> int:

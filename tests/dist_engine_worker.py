@@ -1,7 +1,7 @@
 """Run by tests/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
 
 Each rank builds its in-process engine (`external_launcher`), generates its share of the prompts,
-trains on the gathered batch with the other ranks, and after each update first checks that a
+packs it, trains on the rows `distribute` gives it with the other ranks, and after each update first checks that a
 skipped push is caught (version check, probe gap), then pushes and probes again. Writes
 OUT/rank<r>.json.
 """
@@ -13,45 +13,36 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from m2po_cli.config import load_recipe
 from m2po_cli.data import encode_prompt
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.rollout import VLLMEngine
-from m2po_cli.staleness import RolloutBatch
-from m2po_cli.train import sync_weights, train_on
+from m2po_cli.train import rows_per_update, sync_weights, train_on
 from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
 
 
-def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[RolloutBatch, list]:
-    """Each rank samples its share of PROBLEMS; every rank gets the whole batch (prompt order)."""
+def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[PackedRollouts, list]:
+    """Each rank samples and packs its share of PROBLEMS; `distribute` gives each rank its rows."""
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in PROBLEMS]
     share = torch.tensor_split(torch.arange(len(prompts)), learner.world)[learner.rank].tolist()
     groups = engine.generate([prompts[i] for i in share], seed=seed)
-    mine = [(i, [(c.token_ids, c.logprobs) for c in g]) for i, g in zip(share, groups, strict=True)]
-    everyone = [None] * learner.world
-    dist.all_gather_object(everyone, mine)
-    by_prompt = dict(pair for part in everyone for pair in part)
-    samples = [s for i in range(len(prompts)) for s in by_prompt[i]]
+    n, a = recipe.rollout.n, recipe.algorithm
     gen = torch.Generator().manual_seed(seed)
-    batch = RolloutBatch(
-        version=learner.version,
-        problem_ids=list(range(len(prompts))),
-        answers=["0"] * len(prompts),
-        prompts=prompts,
-        responses=[t for t, _ in samples],
-        behaviour_logprobs=[lp for _, lp in samples],
-        texts=[""] * len(samples),
-        finished=[True] * len(samples),
-        rewards_PG=torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float(),
+    rewards_PG = torch.randint(0, 2, (len(prompts), n), generator=gen).float()
+    first_row = share[0] * n if share else 0
+    mine = [prompts[i] for i in share]
+    pack = pack_groups(
+        learner.version, first_row, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
     )
-    return batch, [(i, [t for t, _ in s]) for i, s in mine]
+    batch = distribute(pack, owners(pack.row_B, rows_per_update(recipe), learner.world))
+    return batch, [(i, [c.token_ids for c in g]) for i, g in zip(share, groups, strict=True)]
 
 
 def main(out: Path) -> None:

@@ -1,6 +1,8 @@
 """Run by tests/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
 
-Every rank writes its gathered HF state dict and its metrics to OUT/rank<r>.pt.
+Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
+writes its gathered HF state dict, its metrics and its rows' behaviour-version scores to
+OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -14,33 +16,32 @@ from m2po_cli.config import load_recipe
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.staleness import RolloutBatch
-from m2po_cli.train import _score_at_behaviour_version, train_on
+from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.record import Recorder
+from m2po_cli.rollout import Completion
+from m2po_cli.train import _score_at_behaviour_version, rows_per_update, train_on
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 
 
-def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> RolloutBatch:
+def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollouts:
+    """The whole batch, packed (what rank 0 holds after generating it)."""
     g = torch.Generator().manual_seed(100 + step)
     prompts = [
         torch.randint(3, vocab, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
         for _ in range(num_prompts)
     ]
-    responses = [
-        torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(num_prompts * n)
-    ]
-    return RolloutBatch(
-        version=0,
-        problem_ids=list(range(num_prompts)),
-        answers=["0"] * num_prompts,
-        prompts=prompts,
-        responses=responses,
-        behaviour_logprobs=[[0.0] * len(r) for r in responses],
-        texts=[""] * len(responses),
-        finished=[True] * len(responses),
-        rewards_PG=torch.randint(0, 2, (num_prompts, n), generator=g).float(),
-    )
+    groups = []
+    for _ in prompts:
+        lengths = torch.randint(1, 7, (n,), generator=g).tolist()
+        groups.append(
+            [
+                Completion(torch.randint(3, vocab, (k,), generator=g).tolist(), [0.0] * k, "", True)
+                for k in lengths
+            ]
+        )
+    rewards_PG = torch.randint(0, 2, (num_prompts, n), generator=g).float()
+    return pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
 
 
 def main(out: Path) -> None:
@@ -54,24 +55,37 @@ def main(out: Path) -> None:
             "staleness.s=0",
             "optim.lr=0.002",
             "optim.weight_decay=0.01",
+            'algorithm.behaviour_logprobs="learner"',
         ],
     )
     learner = Learner(resolve_model(recipe.model.path), recipe)
     loss_fn = build_loss(recipe.loss)
-    metrics = []
+    # Step 0 is recorded (quickstart: every 10th step, every row): each rank scores the rows it holds.
+    recorder = Recorder(out, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
+    metrics, scored = [], []
     for step in range(3):
         batch = fixed_batch(step, 4, recipe.rollout.n, learner.arch.hf_config["vocab_size"])
-        _score_at_behaviour_version(batch, learner)
-        # Behaviour = the learner's own logprobs, perturbed: ratios away from 1, so M2PO masks.
-        g = torch.Generator().manual_seed(7 + step)
-        batch.behaviour_logprobs = [
-            [x + 0.3 * float(torch.randn(1, generator=g)) for x in lp] for lp in batch.learner_logprobs
-        ]
-        metrics.append(train_on(batch, learner, loss_fn, None, recipe))
+        if learner.rank != 0:
+            batch = PackedRollouts.empty(batch.version)
+        batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
+        _score_at_behaviour_version(batch, learner, everything=True)
+        scored.append(
+            {"row_B": batch.row_B, "learner_R": batch.learner_R, "offsets": batch.response_offsets()}
+        )
+        # Behaviour = the learner's own logprobs, perturbed: ratios away from 1, so M2PO masks. The
+        # noise of a token depends on its row and position only, not on which rank holds it.
+        noise_R = torch.cat(
+            [
+                0.3 * torch.randn(int(k), generator=torch.Generator().manual_seed(7 + step * 1000 + int(row)))
+                for row, k in zip(batch.row_B, batch.response_len_B, strict=True)
+            ]
+        )
+        batch.learner_R = batch.learner_R + noise_R
+        metrics.append(train_on(batch, learner, loss_fn, None, recipe, recorder, step))
     # Every rank gathers the full weights itself, so ranks can be compared with each other.
     full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
     state = learner.arch.adapter.to_hf(full)
-    torch.save({"state": state, "metrics": metrics}, out / f"rank{learner.rank}.pt")
+    torch.save({"state": state, "metrics": metrics, "scored": scored}, out / f"rank{learner.rank}.pt")
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ def _save_steps(run: Path, learner: Learner, prompts: PromptBatches, steps: list
             for p in learner.model.parameters():
                 p.to_local().add_(0.1)
         next(prompts)
-        loop = {"step": step, "queue": StalenessQueue(0).state_dict(), "data": prompts.state_dict()}
-        checkpoint.save(run, step, learner, loop, keep=5)
+        loop = {"step": step, "data": prompts.state_dict()}
+        checkpoint.save(run, step, learner, loop, keep=5, queue=StalenessQueue(0))
         weights[step] = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
     return weights
 
@@ -74,6 +74,10 @@ DAMAGE = {
     "metadata missing": (lambda s: (s / ".metadata").unlink(), ".metadata is missing"),
     "shard truncated": (lambda s: _truncate(s / "__0_0.distcp"), "__0_0.distcp has"),
     "no manifest": (lambda s: (s / checkpoint.MANIFEST).unlink(), "MANIFEST.json is missing"),
+    "queue shard missing": (
+        lambda s: (s / "queue-00000-of-00001.safetensors").unlink(),
+        "queue-00000-of-00001.safetensors is missing",
+    ),
 }
 
 
@@ -82,7 +86,7 @@ def test_resume_falls_back_past_a_damaged_newest_step(tiny, tmp_path, capsys, ki
     learner, recipe, prompts = tiny
     run = tmp_path / "tiny"
     weights = _save_steps(run, learner, prompts, [2, 4])
-    position_at_2 = torch.load(checkpoint.step_dir(run, 2) / "loop.pt", weights_only=False)["data"]
+    position_at_2 = torch.load(checkpoint.step_dir(run, 2) / "loop.pt", weights_only=True)["data"]
     damage, reason = DAMAGE[kind]
     damage(checkpoint.step_dir(run, 4))
     assert reason in checkpoint.verify(checkpoint.step_dir(run, 4))

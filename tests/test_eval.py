@@ -25,6 +25,7 @@ from m2po_cli.eval_targets import Target, TargetError, export_step, resolve_targ
 from m2po_cli.evaluate import BenchPlan, Job, _grade_and_append, plan_target, read_records
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
+from m2po_cli.staleness import StalenessQueue
 from tests.conftest import recipe_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ def run_dir(tmp_path_factory):
             for p in learner.model.parameters():
                 local = p.to_local()  # one rank: the whole tensor
                 local.add_(0.2 * torch.randn(local.shape, generator=gen))
-        checkpoint.save(run, step, learner, {"step": step}, keep=5)
+        checkpoint.save(run, step, learner, {"step": step}, keep=5, queue=StalenessQueue(0))
     learner.export_hf(run / "export", base)
     return run
 

@@ -12,10 +12,10 @@ from m2po_cli.data import encode_prompt
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.packed import PackedRollouts, pack_groups
 from m2po_cli.record import Recorder
-from m2po_cli.rollout import VLLMEngine
-from m2po_cli.staleness import RolloutBatch
-from m2po_cli.train import to_batch, train_on
+from m2po_cli.rollout import Completion, VLLMEngine
+from m2po_cli.train import train_on
 from tests.conftest import recipe_for
 
 pytestmark = pytest.mark.slow
@@ -24,18 +24,11 @@ pytestmark = pytest.mark.slow
 def logprob_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]) -> float:
     """Largest |engine - learner| logprob over every token (after the first) of `sequences`."""
     from_engine = engine.prompt_logprobs(sequences)
-    batch = RolloutBatch(
-        version=learner.version,
-        problem_ids=[0] * len(sequences),
-        answers=[""] * len(sequences),
-        prompts=[s[:1] for s in sequences],
-        responses=[s[1:] for s in sequences],
-        behaviour_logprobs=from_engine,
-        texts=[""] * len(sequences),
-        finished=[True] * len(sequences),
-        rewards_PG=torch.zeros(len(sequences), 1),
+    groups = [[Completion(s[1:], lp, "", True)] for s, lp in zip(sequences, from_engine, strict=True)]
+    batch = pack_groups(
+        learner.version, 0, [s[:1] for s in sequences], groups, torch.zeros(len(sequences), 1), False, 1e-6
     )
-    rows = to_batch(batch, range(len(sequences)), torch.zeros(len(sequences)))
+    rows = batch.to_batch(torch.arange(batch.num_rows))
     learner_BL, _ = learner.score(rows)
     return float(((learner_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL).max())
 
@@ -46,23 +39,13 @@ def no_record(recipe, learner: Learner) -> Recorder:
     return Recorder(Path(recipe.run.output_dir), cfg, 0, learner.rank, learner.world)
 
 
-def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> RolloutBatch:
+def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> PackedRollouts:
     """A real rollout batch with random rewards: enough to move the weights."""
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in [(1, 2), (3, 4), (2, 2), (4, 0)]]
     groups = engine.generate(prompts, seed=0)
-    samples = [c for g in groups for c in g]
     gen = torch.Generator().manual_seed(0)
-    return RolloutBatch(
-        version=version,
-        problem_ids=list(range(len(prompts))),
-        answers=["0"] * len(prompts),
-        prompts=prompts,
-        responses=[c.token_ids for c in samples],
-        behaviour_logprobs=[c.logprobs for c in samples],
-        texts=[c.text for c in samples],
-        finished=[c.finished for c in samples],
-        rewards_PG=torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float(),
-    )
+    rewards_PG = torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float()
+    return pack_groups(version, 0, prompts, groups, rewards_PG, True, 1e-6)
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"])

@@ -1,0 +1,115 @@
+"""Per-token logprobs and entropies without the `[B, L, V]` logits tensor.
+
+The model's output projection is asked for the sampled token's logprob only at the positions that
+are scored (response tokens), a chunk of positions at a time: each chunk's logits `[C, V]` live only
+while that chunk is computed, so peak memory is `C x V` floats (C = `CHUNK_LOGITS // V`), whatever
+the sequence length. With grad, each chunk runs under activation checkpointing: its logits are
+recomputed in the backward instead of being kept. The arithmetic per position is the same as a
+`log_softmax` over the full logits: `log softmax(logits / T)[token]`, in float32, and the entropy
+`-sum p log p` of the same distribution.
+
+`LogprobHead` runs inside the model's forward (it replaces the class of the model's `lm_head`, so
+parameter names, FSDP2 sharding and checkpoints are unchanged): FSDP2 gathers the head's weight for
+the forward and again for the backward exactly as for the plain projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_LOGITS = 2**24  # logits per chunk: 64 MiB in float32
+
+
+@dataclass
+class ScoreRequest:
+    """What the head computes in the next forward: positions of `h` (flat over `[B, L]`) and the
+    token each one predicts."""
+
+    source_N: Tensor  # int64 index into h.reshape(-1, D)
+    targets_N: Tensor  # int64 token ids
+    temperature: float
+    with_entropy: bool
+
+
+def chunk_size(vocab: int) -> int:
+    return max(1, CHUNK_LOGITS // vocab)
+
+
+def chunked_logprobs(
+    h_ND: Tensor, weight_VD: Tensor, bias_V: Tensor | None, request: ScoreRequest
+) -> tuple[Tensor, Tensor | None]:
+    """The logprob of `targets_N` under softmax((h W^T + b) / T), and optionally its entropy; `[N]`.
+
+    With grad enabled the logprobs carry grad to `h_ND` and the weight; entropies never do.
+    """
+    size = chunk_size(weight_VD.shape[0])
+    logprobs, entropies = [], []
+    for start in range(0, h_ND.shape[0], size):
+        h_CD, targets_C = h_ND[start : start + size], request.targets_N[start : start + size]
+        if torch.is_grad_enabled():
+            logprobs.append(
+                checkpoint(
+                    _picked, h_CD, weight_VD, bias_V, targets_C, request.temperature, use_reentrant=False
+                )
+            )
+            if request.with_entropy:
+                with torch.no_grad():
+                    entropies.append(_picked_and_entropy(h_CD, weight_VD, bias_V, targets_C, request)[1])
+        else:
+            lp, ent = _picked_and_entropy(h_CD, weight_VD, bias_V, targets_C, request)
+            logprobs.append(lp)
+            entropies.append(ent)
+    return torch.cat(logprobs), torch.cat(entropies) if request.with_entropy else None
+
+
+def _picked(h_CD: Tensor, weight_VD: Tensor, bias_V, targets_C: Tensor, temperature: float) -> Tensor:
+    logp_CV = torch.log_softmax(F.linear(h_CD, weight_VD, bias_V).float() / temperature, dim=-1)
+    return logp_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+
+
+def _picked_and_entropy(h_CD, weight_VD, bias_V, targets_C, request: ScoreRequest):
+    logp_CV = torch.log_softmax(F.linear(h_CD, weight_VD, bias_V).float() / request.temperature, dim=-1)
+    picked_C = logp_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+    entropy_C = -(logp_CV.exp() * logp_CV).sum(-1) if request.with_entropy else None
+    return picked_C, entropy_C
+
+
+class LogprobHead(nn.Linear):
+    """An output projection that, while `request` is set, returns `[N]` logprobs (and `[N]`
+    entropies) of the requested positions instead of `[B, L, V]` logits."""
+
+    request: ScoreRequest | None = None
+
+    def forward(self, h_BLD: Tensor):
+        if self.request is None:
+            return super().forward(h_BLD)
+        if not self.request.source_N.numel():
+            # Nothing to score: an empty result that still depends on every parameter, so that the
+            # backward gives each a (zero) gradient and FSDP2 reduce-scatters on every rank alike.
+            empty = (h_BLD.sum() + self.weight.sum()).float()[None][:0]
+            return empty, empty.detach() if self.request.with_entropy else None
+        h_ND = h_BLD.reshape(-1, h_BLD.shape[-1])[self.request.source_N]
+        return chunked_logprobs(h_ND, self.weight, self.bias, self.request)
+
+
+def install_head(model: nn.Module) -> LogprobHead:
+    """Give the model's `lm_head` the `LogprobHead` behaviour in place; return it."""
+    head = model.lm_head
+    assert isinstance(head, nn.Linear), f"lm_head is a {type(head).__name__}, not a Linear"
+    head.__class__ = type("LogprobHead", (LogprobHead, type(head)), {})
+    return head
+
+
+def score_request(tokens_BL: Tensor, mask_BL: Tensor, temperature: float, with_entropy: bool) -> ScoreRequest:
+    """Score the tokens at `mask_BL` positions (t >= 1): position t - 1 of the output predicts t."""
+    mask_BL = mask_BL.bool().clone()
+    mask_BL[:, 0] = False
+    row_N, col_N = mask_BL.nonzero(as_tuple=True)
+    return ScoreRequest(
+        row_N * tokens_BL.shape[1] + col_N - 1, tokens_BL[row_N, col_N], temperature, with_entropy
+    )
