@@ -335,8 +335,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     0..max_operand) followed by `\\boxed{X}<|im_end|>`; the loss covers the response tokens only.
     X is the true sum with probability `correct_fraction` and otherwise uniform over the answer range
     0..num_operands*max_operand. The problem text must match `synthetic:arithmetic`'s (`3+4`).
-    With the defaults the untied model then answers in the format in >99% of samples and is right in
-    20-24% of them at temperature 1 (uniform guessing: 11%; its greedy answer is right for about 60%
+    With the defaults the untied model then answers in the format greedily every time and in about
+    86% of samples at temperature 1 (the tied one: all), and is right in about 20% of them (uniform guessing: 11%; its greedy answer is right for about 60%
     of problems); GRPO (32 prompts x 8 samples, lr 1e-3) takes the sampled reward to about 87% in 200
     steps.
 
