@@ -165,7 +165,7 @@ def test_resolve_local_dir_and_errors(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ValueError, match="unknown builtin"):
         resolve_model("builtin:nope")
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="model directory not found: .*missing/model"):
         resolve_model(str(tmp_path / "missing" / "model"))
 
 
