@@ -20,6 +20,7 @@ class Qwen3Shape:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = True
+    max_position_embeddings: int = 4096
 
     def num_params(self) -> int:
         d, h = self.hidden_size, self.head_dim
@@ -40,33 +41,21 @@ TINY = Qwen3Shape(64, 2, 2, 2, 32, 256, 128)
 def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0) -> Path:
     """Write an HF Qwen3 checkpoint (fp32 safetensors, config, tokenizer) of `shape` to `out`."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import GenerationConfig, Qwen3ForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()
 
-    from m2po_cli.models import EOS_TOKEN, PAD_TOKEN, char_tokenizer
+    from m2po_cli.models import char_tokenizer, qwen3_config
 
     tokenizer = char_tokenizer()
-    eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
-    config = Qwen3Config(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=4096,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        dtype="float32",
-    )
+    config = qwen3_config(shape, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

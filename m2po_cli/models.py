@@ -291,27 +291,36 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(shape, tokenizer: PreTrainedTokenizerFast):
+    """An fp32 `Qwen3Config` of `shape` (a `TinyQwen3` or any object with its size fields) whose
+    special tokens are the character tokenizer's."""
+    from transformers import Qwen3Config
 
-    tokenizer = char_tokenizer()
-    assert len(tokenizer) <= spec.vocab_size, (len(tokenizer), spec.vocab_size)
+    assert len(tokenizer) <= shape.vocab_size, (len(tokenizer), shape.vocab_size)
     eos, pad = tokenizer.convert_tokens_to_ids([EOS_TOKEN, PAD_TOKEN])
-    config = Qwen3Config(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
+    return Qwen3Config(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
         eos_token_id=eos,
         pad_token_id=pad,
         dtype="float32",
     )
+
+
+def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    tokenizer = char_tokenizer()
+    config = qwen3_config(spec, tokenizer)
+    eos, pad = config.eos_token_id, config.pad_token_id
     num_threads = torch.get_num_threads()
     # One thread: for matmuls this small, more threads only contend (4x slower on a busy 2-core
     # machine), and a fixed count keeps the built weights the same across machines.
