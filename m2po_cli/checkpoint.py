@@ -114,7 +114,9 @@ def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     return answer[0]
 
 
-def save(run_dir: Path, step: int, learner, loop_state: dict, keep: int, queue: StalenessQueue) -> Path:
+def save(
+    run_dir: Path, step: int, learner, loop_state: dict, keep: int, queue: StalenessQueue | None = None
+) -> Path:
     """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints."""
     import torch
     import torch.distributed as dist
@@ -124,7 +126,8 @@ def save(run_dir: Path, step: int, learner, loop_state: dict, keep: int, queue: 
     path.mkdir(parents=True, exist_ok=True)
     # Before dcp.save, which returns on rank 0 only once every rank's writes are done: the queue
     # shards are on disk before rank 0 lists the folder into the manifest.
-    queue.save(path, dist.get_rank(), dist.get_world_size())
+    if queue is not None:  # separate mode keeps its in-flight prompts in the loop state instead
+        queue.save(path, dist.get_rank(), dist.get_world_size())
     dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
     if dist.get_rank() == 0:
         state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
@@ -170,13 +173,14 @@ def read_loop(path: Path) -> dict:
     return torch.load(path / LOOP, weights_only=True)
 
 
-def load(path: Path, learner, queue: StalenessQueue) -> dict:
+def load(path: Path, learner, queue: StalenessQueue | None = None) -> dict:
     """Restore the learner and this rank's queue in place; return the loop state saved beside it."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    queue.load(path, dist.get_rank(), dist.get_world_size())
+    if queue is not None:
+        queue.load(path, dist.get_rank(), dist.get_world_size())
     state = learner.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     learner.load_state_dict(state)

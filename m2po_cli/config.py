@@ -139,8 +139,20 @@ class DataConfig(Table):
 
 class RolloutConfig(Table):
     engine: Literal["vllm"] = field("vllm", "Rollout engine.")
-    placement: Literal["colocated"] = field(
-        "colocated", "colocated: the engine shares the learner's devices; generation and training alternate."
+    mode: Literal["colocated", "separate"] = field(
+        "colocated",
+        "colocated: the engine shares the learner's devices and the two alternate; separate: engines in "
+        "their own processes keep generating while the learner trains (needs staleness.mode = bounded).",
+    )
+    servers: list[str] = field(
+        [], "Separate mode: URLs of `vllm serve` instances already running; empty starts num_engines here."
+    )
+    num_engines: int = field(1, "Separate mode: `vllm serve` processes the run starts.", ge=1)
+    sync_every: int = field(
+        1, "Separate mode: send the weights to the engines every this many updates.", ge=1
+    )
+    server_start_timeout_s: float = field(
+        600.0, "Separate mode: seconds a started or attached server may take to answer /health.", gt=0
     )
     prompts_per_step: int = field(32, "Prompts per rollout batch.", ge=1)
     n: int = field(8, "Samples per prompt (the GRPO group size).", ge=1)
@@ -155,7 +167,10 @@ class RolloutConfig(Table):
     )
     enforce_eager: bool = field(True, "Skip CUDA-graph/compile capture: faster start, slower steady state.")
     tensor_parallel_size: int = field(
-        1, "Ranks that share one engine (tensor parallel); each group of them generates its own share.", ge=1
+        1,
+        "Ranks that share one engine (tensor parallel); each group of them generates its own share. "
+        "Separate mode: GPUs per started engine.",
+        ge=1,
     )
     sleep_level: Literal[0, 1, 2] = field(
         1,
@@ -262,10 +277,13 @@ class OptimConfig(Table):
 
 
 class StalenessConfig(Table):
-    mode: Literal["fixed"] = field(
-        "fixed", "fixed: every batch is trained exactly s updates after the policy that generated it."
+    mode: Literal["fixed", "bounded"] = field(
+        "fixed",
+        "fixed: every batch is trained exactly s updates after the policy that generated it; bounded "
+        "(separate rollouts): no sample is trained more than max_staleness updates after its policy.",
     )
-    s: int = field(0, "Staleness in optimizer updates; 0 is on-policy.", ge=0)
+    s: int = field(0, "Fixed mode: staleness in optimizer updates; 0 is on-policy.", ge=0)
+    max_staleness: int = field(4, "Bounded mode: largest staleness, in optimizer updates.", ge=0)
 
 
 class CheckpointConfig(Table):
@@ -326,12 +344,36 @@ class Recipe(Table):
                 f"train.mini_batch_prompts: must divide rollout.prompts_per_step "
                 f"({self.rollout.prompts_per_step}) (got {mb})"
             )
+        self._check_separate()
         if self.staleness.s % self.updates_per_step:
             raise ValueError(
                 f"staleness.s: must be a multiple of the {self.updates_per_step} optimizer updates "
                 f"per rollout batch (got {self.staleness.s})"
             )
         return self
+
+    def _check_separate(self) -> None:
+        separate, bounded = self.rollout.mode == "separate", self.staleness.mode == "bounded"
+        if separate != bounded:
+            raise ValueError(
+                "staleness.mode: bounded staleness goes with rollout.mode = separate, fixed with colocated "
+                f"(got {self.staleness.mode} with {self.rollout.mode})"
+            )
+        if not separate:
+            return
+        if self.algorithm.behaviour_logprobs != "engine":
+            raise ValueError(
+                "algorithm.behaviour_logprobs: must be engine in separate mode (the learner no longer holds "
+                "the policy that generated a sample)"
+            )
+        # A step takes updates_per_step mini-batches at once, and the engine may lag sync_every - 1
+        # updates: the bound must leave room for both, or admission would stall the run.
+        need = self.updates_per_step - 1 + self.rollout.sync_every - 1
+        if self.staleness.max_staleness < need:
+            raise ValueError(
+                f"staleness.max_staleness: must be >= updates_per_step - 1 + rollout.sync_every - 1 = {need} "
+                f"(got {self.staleness.max_staleness})"
+            )
 
     @property
     def updates_per_step(self) -> int:

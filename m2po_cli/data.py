@@ -61,7 +61,9 @@ def load_problems(cfg: DataConfig) -> list[Problem]:
 
 def is_hub(cfg: DataConfig) -> bool:
     """True when `cfg.source` is a hub dataset (reading it needs the network), not a file or a task."""
-    return not cfg.source.startswith("synthetic:") and not cfg.source.endswith((".jsonl", ".json", ".parquet"))
+    return not cfg.source.startswith("synthetic:") and not cfg.source.endswith(
+        (".jsonl", ".json", ".parquet")
+    )
 
 
 def synthetic_arithmetic(cfg: SyntheticConfig, seed: int) -> list[Problem]:
@@ -227,6 +229,13 @@ class PromptBatches:
                 f"{len(self.problems)} problems; was the checkpoint made with another data.source?"
             )
         self.epoch, self.position = epoch, position
+
+    def prompt_of(self, index: int) -> Prompt:
+        """The prompt of problem `index` (one that fitted `max_prompt_tokens` when it was drawn)."""
+        prompt = self._encode(index)
+        if prompt is None:
+            raise DataError(f"{self.cfg.source}: problem {index} no longer fits data.max_prompt_tokens")
+        return prompt
 
     def _permutation(self, epoch: int) -> list[int]:
         if epoch != self._order_epoch:

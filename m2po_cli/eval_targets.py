@@ -91,7 +91,9 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
             model_source(arg)  # a builtin or a hub id; anything else names a local path
         except ValueError as e:
             folder = re.search(r"\(.*\)$", str(e))  # `runs/typo`: `runs/` is a local folder
-            raise TargetError(f"{arg}: checkpoint not found{' ' + folder.group() if folder else ''}") from None
+            raise TargetError(
+                f"{arg}: checkpoint not found{' ' + folder.group() if folder else ''}"
+            ) from None
         return [Target(arg, "hub", arg)]
     path = path.resolve()
     if _is_run(path):

@@ -115,6 +115,8 @@ def _type(ann: Any) -> str:
     if get_origin(ann) is tuple:
         items = get_args(ann)
         return f"array of {len(items)} {_type(items[0])}s"
+    if get_origin(ann) is list:
+        return f"array of {_type(get_args(ann)[0])}s"
     if _is_union(ann):
         inner = [a for a in get_args(ann) if a is not type(None)]
         return " or ".join(_type(a) for a in inner) + (

@@ -129,6 +129,10 @@ class RunLog:
             verb = "masked" if "m2po/num_masked" in m else "clipped"
             parts.append(f"{verb} {100 * m['loss/clip_frac']:.2f}%")
         parts.append(f"stale {m.get('staleness/mean', 0):.0f}")
+        if "perf/engine_idle_frac" in m:  # separate mode: who waited for whom
+            parts.append(
+                f"idle engine {100 * m['perf/engine_idle_frac']:.0f}% learner {100 * m['perf/learner_idle_frac']:.0f}%"
+            )
         parts.append(f"{m.get('time/step', 0):.1f}s/step")
         return "  ".join(parts)
 

@@ -8,6 +8,7 @@ batch into flat tensors and `packed.distribute` sends every rank only the rows i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -36,6 +37,10 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
 
     `problems` is the loaded prompt set when the caller has already read it (the CLI checks it first).
     """
+    if recipe.rollout.mode == "separate":
+        from m2po_cli.async_loop import train_separate
+
+        return train_separate(recipe, problems)
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     model_dir = resolve_model(recipe.model.path)
     # Cheap checks before anything expensive starts: the model's files, the prompt set and its template.
@@ -78,7 +83,9 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             staleness = learner.version - batch.version
             t1 = time.perf_counter()
             engine.sleep()  # the learner gets the device (GPU); the push at the end wakes the engine
-            metrics = train_on(batch, learner, loss_fn, engine, recipe, recorder, step)
+            metrics = train_on(
+                batch, learner, loss_fn, at_step_end(engine, recipe.updates_per_step), recipe, recorder, step
+            )
             metrics.update(rollout_metrics(batch, staleness))
             metrics.update({"time/rollout": t1 - t0, "time/train": time.perf_counter() - t1})
             metrics["time/step"] = time.perf_counter() - t0
@@ -130,6 +137,8 @@ def resume(
             log.message(f"skipping damaged checkpoint {path}: {problem}")
     if last is None:
         return 0
+    if "in_flight" in checkpoint.read_loop(last):
+        raise ValueError(f"{last}: checkpoint of a separate-mode run; resume it with rollout.mode = separate")
     loop = checkpoint.load(last, learner, queue)
     prompts.load_state_dict(loop["data"])
     sync_weights(learner, engine)  # the engine still holds the initial weights
@@ -216,13 +225,13 @@ def train_on(
     batch: PackedRollouts,
     learner: Learner,
     loss_fn,
-    engine: RolloutEngine | None,
+    sync: Callable[[Learner], None] | None,
     recipe: Recipe,
     recorder: Recorder,
     step: int,
 ) -> dict[str, float]:
-    """All optimizer updates of one rollout batch (this rank's rows); then the engine gets the new
-    weights (waking up)."""
+    """All optimizer updates of one rollout batch (this rank's rows); `sync(learner)` after each may
+    send the weights out (colocated: after the last one, waking the engine up)."""
     per_update = rows_per_update(recipe)
     num_updates = recipe.updates_per_step
     update_B = batch.row_B // per_update
@@ -239,8 +248,8 @@ def train_on(
         m = learner.update(rows, loss_fn, int(tokens_U[u]))
         t1 = time.perf_counter()
         recorder.add(sample, m)
-        if u == num_updates - 1:  # the engine samples again only after the step's last update
-            sync_weights(learner, engine)
+        if sync is not None:
+            sync(learner)
         m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
         m["perf/learner_tokens_per_s"] = float(rows.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():
@@ -282,11 +291,21 @@ def record_sample(
         entropy_N=entropy_BL[mask_BL],
         lengths_R=rows.response_len_B,
         advantages_R=rows.advantages_B,
-        staleness_R=per_row(learner.version - batch.version),
+        staleness_R=learner.version - rows.version_B,
         update_R=per_row(learner.version),
         row_R=rows.row_B,
         scored_R=torch.full((rows.num_rows,), scored),
     )
+
+
+def at_step_end(engine: RolloutEngine | None, updates_per_step: int) -> Callable[[Learner], None]:
+    """Colocated: the engine samples again only after a step's last update, so the push waits for it."""
+
+    def sync(learner: Learner) -> None:
+        if learner.version % updates_per_step == 0:
+            sync_weights(learner, engine)
+
+    return sync
 
 
 def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:

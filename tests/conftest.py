@@ -52,3 +52,11 @@ def recipe_for(tmp_path: Path, *overrides: str):
 
     base = [f'run.output_dir="{tmp_path}"', 'logging.console="plain"']
     return load_recipe(QUICKSTART, base + list(overrides))
+
+
+def no_record(run_dir: Path, learner):
+    """A `train_on` recorder that records nothing (`inspect.every = 0`)."""
+    from m2po_cli.config import InspectConfig
+    from m2po_cli.record import Recorder
+
+    return Recorder(run_dir, InspectConfig(every=0), 0, learner.rank, learner.world)

@@ -451,9 +451,7 @@ def test_logged_cap_per_micro_batch_is_the_token_weighted_applied_cap(batch, spl
     cuts = sorted(set(torch.randint(1, rows + 1, (3,), generator=g).tolist()) | {rows})
     sizes = [b - a for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
     behaviour = torch.zeros_like(log_ratio)
-    _, _, metrics, _ = run_micro_batches(
-        M2POCapLoss(tau=tau), log_ratio, advantages, valid, behaviour, sizes
-    )
+    _, _, metrics, _ = run_micro_batches(M2POCapLoss(tau=tau), log_ratio, advantages, valid, behaviour, sizes)
     num_valid, expected, start = max(int(valid.sum()), 1), 0.0, 0
     for size in sizes:
         part = slice(start, start + size)

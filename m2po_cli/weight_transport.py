@@ -1,0 +1,93 @@
+"""Weights from the learner to rollout servers: safetensors in shared memory, one file per parameter.
+
+vLLM's native NCCL/IPC weight-transfer backends need CUDA. This transport has the same shape and
+runs anywhere the servers share the learner's host: every rank walks the model parameter by
+parameter (`Learner.hf_weights`; each `full_tensor()` is a collective), rank 0 writes each HF-named
+tensor to its own safetensors file under shared memory and frees it, then each server reloads the folder through
+`/collective_rpc` (the project's worker extension, which also re-derives a tied lm_head), gets the
+learner's version with `/update_weight_version`, and must report it back on `/weight_info`.
+The learner never holds more than one full parameter beyond its shard; the files are the wire.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def shm_root() -> Path:
+    """Shared memory (a RAM filesystem) where the OS has one, else the temp folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> int:
+    """Write each tensor to `out_dir/NNNNN.safetensors`; return the bytes written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    num_bytes = 0
+    for i, (name, tensor) in enumerate(tensors):
+        save_file({name: tensor.contiguous().cpu()}, str(out_dir / f"{i:05d}.safetensors"))
+        num_bytes += tensor.numel() * tensor.element_size()
+    return num_bytes
+
+
+class ShmWeightTransport:
+    """After every `sync_every` updates, send the learner's weights to the rollout servers.
+
+    `swap(weights_dir, version)` is the rank-0 side that pauses the engines, reloads them from the
+    folder, sets and checks their version, and resumes them (see `async_loop.RolloutProducer`); it
+    is None on the other ranks, which still walk the parameters for the collective.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        sync_every: int,
+        dtype: torch.dtype,
+        swap: Callable[[Path, int], None] | None,
+        tag: str,
+    ):
+        self.rank, self.sync_every, self.dtype, self.swap = rank, sync_every, dtype, swap
+        self.folder = Path(tempfile.mkdtemp(prefix=f"m2po-weights-{tag}-", dir=shm_root()))
+        self.seconds = 0.0  # totals since the last `take_metrics()`
+        self.num_bytes = 0
+        self.num_syncs = 0
+
+    def after_update(self, learner) -> None:
+        """The `train_on` hook: sync when the learner's version reaches a multiple of `sync_every`."""
+        if learner.version % self.sync_every == 0:
+            self.push(learner)
+
+    def push(self, learner) -> None:
+        t0 = time.perf_counter()
+        tensors = learner.hf_weights(self.dtype)
+        if self.swap is None:
+            for _ in tensors:  # the other ranks take part in every full_tensor() gather
+                pass
+            return
+        out = self.folder / f"v{learner.version:08d}"
+        self.num_bytes += write_safetensors(tensors, out)
+        try:
+            self.swap(out, learner.version)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        self.seconds += time.perf_counter() - t0
+        self.num_syncs += 1
+
+    def take_metrics(self) -> dict[str, float]:
+        m = {
+            "perf/weight_sync_s": self.seconds,
+            "perf/weight_sync_bytes": float(self.num_bytes),
+            "perf/weight_syncs": float(self.num_syncs),
+        }
+        self.seconds, self.num_bytes, self.num_syncs = 0.0, 0, 0
+        return m
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,100 @@
+"""Separate mode end to end: a real `vllm serve` beside the learner, killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-separate.toml"
+NUM_PROBLEMS, PER_STEP, STEPS, MAX_STALENESS = 48, 8, 10, 2
+
+
+def command(out: Path) -> list[str]:
+    sets = [
+        f'run.output_dir="{out}"',
+        f"run.steps={STEPS}",
+        f"rollout.prompts_per_step={PER_STEP}",
+        "rollout.n=4",
+        f"data.synthetic.num_problems={NUM_PROBLEMS}",
+        f"staleness.max_staleness={MAX_STALENESS}",
+        "checkpoint.every=3",
+        "checkpoint.keep=5",
+        "checkpoint.export_hf=false",
+        'logging.console="plain"',
+    ]
+    return [sys.executable, "-m", "m2po_cli", "train", str(RECIPE), *(a for s in sets for a in ("--set", s))]
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                members.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return members
+
+
+def records(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run exited early with code {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "quickstart-separate"
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(command(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)  # fmt: skip
+        try:
+            # Kill mid-step: after the step-3 checkpoint, once step 4 has taken its rollouts.
+            wait_for(
+                lambda: any(r["step"] >= 4 for r in records(run_dir, "trained_prompts.jsonl")), 900, first
+            )
+            members = group_members(first.pid)
+            assert any("api_server" in " ".join(p.cmdline()) for p in members), "no engine in the run's group"
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    deadline = time.monotonic() + 10
+    while group_members(first.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_members(first.pid), "processes of the killed run are still alive"
+
+    second = subprocess.run(command(tmp_path), capture_output=True, text=True, env=env, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "regenerating" in second.stdout + second.stderr
+
+    steps_recorded = [r["step"] for r in records(run_dir, "trained_prompts.jsonl")]
+    assert steps_recorded == list(range(STEPS)), "the resumed run kept records of steps it trained again"
+    last_per_step = {r["step"]: r for r in records(run_dir, "trained_prompts.jsonl")}
+    trained = [
+        (e, i) for r in last_per_step.values() for e, i in zip(r["epochs"], r["problem_ids"], strict=True)
+    ]
+    assert len(trained) == len(set(trained)) == STEPS * PER_STEP, "a prompt was trained twice"
+    assert {(0, i) for i in range(NUM_PROBLEMS)} <= set(trained), "a prompt of the first epoch was lost"
+    for r in last_per_step.values():  # version-ordered, and within the bound
+        trained_at = [r["version"] + j // PER_STEP for j in range(PER_STEP)]
+        assert all(0 <= t - v <= MAX_STALENESS for t, v in zip(trained_at, r["versions"], strict=True))
+    steps = records(run_dir, "metrics.jsonl")
+    assert all(m["staleness/max"] <= MAX_STALENESS and m["rollout/dropped"] == 0 for m in steps)
+    assert any(m["staleness/max"] > 0 for m in steps), "the engine never ran ahead of the learner"
