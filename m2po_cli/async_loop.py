@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -52,18 +53,19 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
     first_step, carried, skipped = resume(run_dir, recipe, learner, prompts)
     recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, rank, learner.world)
     recorder.start(first_step)
-    log = servers = producer = grader = None
-    transport = ShmWeightTransport(
-        rank, recipe.rollout.sync_every, _wire_dtype(recipe), None, recipe.run.name
-    )
+    log = producer = grader = None
+    stack = ExitStack()  # closes what set-up started, whichever step fails
     try:
         if rank == 0:
             log = RunLog(run_dir, recipe, learner.world)
+            stack.callback(log.close)
             log.start(first_step)
             for path, problem in skipped:
                 log.message(f"skipping damaged checkpoint {path}: {problem}")
             _forget_steps_from(run_dir, first_step)
             servers = start_servers(recipe, model_dir, run_dir, learner.world)
+            for server in servers:
+                stack.callback(server.close)
             producer = RolloutProducer(
                 servers,
                 prompts,
@@ -73,13 +75,20 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
                 learner.version,
                 **carried,
             )
-            transport.swap = producer.swap
-            grader = Grader()
+            stack.callback(producer.stop)
+            grader = stack.enter_context(Grader())
             if first_step:
                 log.message(
                     f"resumed at step {first_step}, policy version {learner.version}; regenerating "
                     f"{len(carried['in_flight'])} prompts that were in flight"
                 )
+        swap = producer.swap if producer is not None else None
+        transport = ShmWeightTransport(
+            rank, recipe.rollout.sync_every, _wire_dtype(recipe), swap, recipe.run.name
+        )
+        stack.callback(transport.close)
+        if log is not None and transport.swept:
+            log.message(f"removed {len(transport.swept)} weight folders of killed runs from shared memory")
         transport.push(learner)  # the engines start from the learner's weights, whatever they held
         transport.take_metrics()
         if producer is not None:
@@ -93,15 +102,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
         if recipe.checkpoint.export_hf:
             learner.export_hf(run_dir / "export", model_dir)
     finally:
-        if producer is not None:
-            producer.stop()
-        for server in servers or []:
-            server.close()
-        transport.close()
-        if grader is not None:
-            grader.close()
-        if log is not None:
-            log.close()
+        stack.close()
     if log is not None:
         log.message(log.summary())
     return run_dir

@@ -11,6 +11,8 @@ The learner never holds more than one full parameter beyond its shard; the files
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import tempfile
 import time
@@ -25,6 +27,33 @@ def shm_root() -> Path:
     """Shared memory (a RAM filesystem) where the OS has one, else the temp folder."""
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+PREFIX = "m2po-weights-"
+
+
+def sweep_orphans(root: Path) -> list[Path]:
+    """Remove weight folders left in `root` by runs that were killed (their process is gone).
+
+    Shared memory is RAM: a killed 8B run would otherwise keep up to 16 GB of it until reboot."""
+    removed = []
+    for folder in root.glob(f"{PREFIX}*"):
+        match = re.fullmatch(rf"{PREFIX}.*-pid(\d+)-\w+", folder.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path) -> int:
@@ -54,7 +83,11 @@ class ShmWeightTransport:
         tag: str,
     ):
         self.rank, self.sync_every, self.dtype, self.swap = rank, sync_every, dtype, swap
-        self.folder = Path(tempfile.mkdtemp(prefix=f"m2po-weights-{tag}-", dir=shm_root()))
+        self.folder = None
+        self.swept: list[Path] = []
+        if swap is not None:  # only the rank that writes needs a folder
+            self.swept = sweep_orphans(shm_root())
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-pid{os.getpid()}-", dir=shm_root()))
         self.seconds = 0.0  # totals since the last `take_metrics()`
         self.num_bytes = 0
         self.num_syncs = 0
@@ -90,4 +123,5 @@ class ShmWeightTransport:
         return m
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)

@@ -167,3 +167,22 @@ def test_each_group_was_sampled_by_the_version_it_records(served, tokenizer, tmp
     finally:
         producer.stop()
         transport.close()
+
+
+def test_weight_folders_of_killed_runs_are_swept(tmp_path):
+    """Shared memory is RAM: a folder whose run is gone is removed, a live run's is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from m2po_cli.weight_transport import PREFIX, sweep_orphans
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"{PREFIX}run-pid{dead.pid}-abc123"
+    live = tmp_path / f"{PREFIX}run-pid{os.getpid()}-def456"
+    other = tmp_path / "m2po-weights-without-a-pid"
+    for folder in (orphan, live, other):
+        (folder / "v00000001").mkdir(parents=True)
+    assert sweep_orphans(tmp_path) == [orphan]
+    assert not orphan.exists() and live.exists() and other.exists()
