@@ -29,8 +29,8 @@ from m2po_cli.record import Recorder
 from m2po_cli.rollout import resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.server import EngineServer
-from m2po_cli.train import _max_len, _tokenizer, rollout_metrics, rows_per_update, train_on
-from m2po_cli.weight_transport import ShmWeightTransport
+from m2po_cli.train import RunError, _max_len, _tokenizer, rollout_metrics, rows_per_update, train_on
+from m2po_cli.weight_transport import ShmWeightTransport, WeightTransport, resolve_transport
 
 TRAINED_LOG = "trained_prompts.jsonl"
 
@@ -40,6 +40,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     model_dir = resolve_model(recipe.model.path)
     check_model_dir(model_dir)
+    resolve_transport(recipe.rollout.weight_transport)  # nccl without CUDA stops here, before anything starts
     prompts = PromptBatches(  # cheap checks first: the model's files, the prompt set and its template
         load_problems(recipe.data) if problems is None else problems,
         _tokenizer(model_dir),
@@ -82,10 +83,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
                     f"resumed at step {first_step}, policy version {learner.version}; regenerating "
                     f"{len(carried['in_flight'])} prompts that were in flight"
                 )
-        swap = producer.swap if producer is not None else None
-        transport = ShmWeightTransport(
-            rank, recipe.rollout.sync_every, _wire_dtype(recipe), swap, recipe.run.name
-        )
+        transport = make_transport(recipe, learner, producer)
         stack.callback(transport.close)
         if log is not None and transport.swept:
             log.message(f"removed {len(transport.swept)} weight folders of killed runs from shared memory")
@@ -121,11 +119,23 @@ def resume(
     if last is None:
         return 0, nothing, skipped
     if "in_flight" not in checkpoint.read_loop(last):
-        raise ValueError(f"{last}: checkpoint of a colocated run; resume it with rollout.mode = colocated")
+        raise RunError(f"{last}: checkpoint of a colocated run; resume it with rollout.mode = colocated")
     loop = checkpoint.load(last, learner)
     prompts.load_state_dict(loop["data"])
     carried = {k: [(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")}
     return loop["step"], carried, skipped
+
+
+def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer | None) -> WeightTransport:
+    """The recipe's weight transport (every rank builds it; only rank 0 has the producer)."""
+    cfg, dtype = recipe.rollout, _wire_dtype(recipe)
+    swap = producer.swap if producer is not None else None
+    if resolve_transport(cfg.weight_transport) == "nccl":
+        from m2po_cli.nccl_transport import NcclWeightTransport
+
+        servers = producer.servers if producer is not None else None
+        return NcclWeightTransport(learner.rank, cfg.sync_every, dtype, swap, learner, servers)
+    return ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
 
 
 def start_servers(recipe: Recipe, model_dir: Path, run_dir: Path, world: int) -> list[EngineServer]:

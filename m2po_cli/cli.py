@@ -45,11 +45,13 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         return
     _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
     from m2po_cli.models import ModelError
+    from m2po_cli.server import EngineError
+    from m2po_cli.train import RunError
     from m2po_cli.train import train as run_training
 
     try:
         run_training(resolved, problems)
-    except (DataError, ModelError) as e:
+    except (DataError, ModelError, EngineError, RunError) as e:
         _fail(str(e))
 
 

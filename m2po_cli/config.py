@@ -148,6 +148,12 @@ class RolloutConfig(Table):
         [], "Separate mode: URLs of `vllm serve` instances already running; empty starts num_engines here."
     )
     num_engines: int = field(1, "Separate mode: `vllm serve` processes the run starts.", ge=1)
+    weight_transport: Literal["auto", "nccl", "shm"] = field(
+        "auto",
+        "Separate mode: how weights reach the engines. nccl: vLLM's NCCL weight-transfer engine (GPUs); "
+        "shm: safetensors in shared memory, reloaded by each engine (same host; the CPU's choice); "
+        "auto: nccl where CUDA is available, else shm.",
+    )
     sync_every: int = field(
         1, "Separate mode: send the weights to the engines every this many updates.", ge=1
     )

@@ -312,6 +312,17 @@ class Learner:
             assert converted_name == hf_name, (converted_name, hf_name)
             yield hf_name, converted.detach().to(dtype)
 
+    def hf_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(HF name, full shape) of each tensor `hf_weights` yields, in its order; gathers nothing."""
+        shapes = []
+        for name, value in self.model.state_dict().items():
+            hf_name = self._hf_names.get(_plain_fqn(name))
+            if hf_name is not None:
+                meta = torch.empty(value.shape, dtype=value.dtype, device="meta")  # DTensor: the global shape
+                ((_, converted),) = self.arch.adapter.to_hf({_plain_fqn(name): meta}).items()
+                shapes.append((hf_name, tuple(converted.shape)))
+        return shapes
+
     @functools.cached_property
     def _hf_names(self) -> dict[str, str]:
         """torchtitan FQN -> HF name of every parameter the HF checkpoint holds (from shapes only)."""

@@ -24,14 +24,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from itertools import cycle
-from pathlib import Path
 
 import httpx
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
 from m2po_cli.rollout import Completion
-from m2po_cli.server import EngineError, EngineServer, parse_completions, sampling_body, swap_weights
+from m2po_cli.server import EngineError, EngineServer, Load, parse_completions, sampling_body, swap_weights
 
 Ticket = tuple[int, Prompt]  # (data epoch, prompt)
 
@@ -104,13 +103,13 @@ class RolloutProducer:
             assert 0 <= staleness <= self.max_staleness, f"admission let staleness reach {staleness}"
         return taken
 
-    def swap(self, weights_dir: Path, version: int) -> None:
-        """Load new weights into every engine (the weight transport's rank-0 side)."""
+    def swap(self, load: Load, version: int) -> None:
+        """Load new weights into every engine with `load(servers)` (the weight transport's rank-0 side)."""
         with self.cond:
             self.syncing = True
             self.sync_epoch += 1
         try:
-            swap_weights(self.servers, weights_dir, version)
+            swap_weights(self.servers, load, version)
         finally:
             with self.cond:
                 self.engine_version = version

@@ -10,12 +10,14 @@ along; it also gets a parent-death signal, and `close()` terminates its whole pr
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -67,6 +69,8 @@ def serve_command(
         cmd.append("--enforce-eager")
     if _on_gpu():
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.weight_transport != "shm":  # auto or nccl: the learner sends over vLLM's NCCL engine
+            cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
         cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30))]
     return cmd
@@ -168,9 +172,18 @@ class EngineServer:
         self._post("/resume")
 
     def load_weights(self, weights_dir: Path) -> None:
-        """Reload every worker from the safetensors files in `weights_dir` (HF names), then drop stale KV."""
+        """Reload every worker from the safetensors files in `weights_dir` (HF names)."""
         self._post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
+
+    def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache")
+
+    def world_size(self) -> int:
+        """The engine's GPU workers (tensor x pipeline x data parallel): its ranks in a weight transfer."""
+        try:
+            return int(self.http.get("/get_world_size", params={"include_dp": "true"}).json()["world_size"])
+        except httpx.TransportError as e:
+            raise EngineError(f"rollout server {self.url}/get_world_size: {e}") from None
 
     def set_version(self, version: int) -> None:
         self._post("/update_weight_version", json={"new_version": str(version)})
@@ -262,14 +275,18 @@ def parse_completions(response: dict) -> list[Completion] | None:
     ]
 
 
-def swap_weights(servers: list[EngineServer], weights_dir: Path, version: int) -> None:
-    """Pause every server (aborting its requests), reload it from `weights_dir`, tag and check the
-    version, resume. Requests in flight at the pause come back aborted and must be regenerated."""
+Load = Callable[[list["EngineServer"]], None]  # puts the new weights into the (paused) servers
+
+
+def swap_weights(servers: list[EngineServer], load: Load, version: int) -> None:
+    """Pause every server (aborting its requests), `load(servers)`, drop cached KV, tag and check
+    the version, resume. Requests in flight at the pause come back aborted and must be regenerated."""
     for s in servers:
         s.pause()
     try:
+        load(servers)
         for s in servers:
-            s.load_weights(weights_dir)
+            s.reset_prefix_cache()
             s.set_version(version)
             s.check_version(version)
     finally:

@@ -28,6 +28,11 @@ from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.staleness import StalenessQueue
 
+
+class RunError(Exception):
+    """The run cannot go on as asked (e.g. a checkpoint of the other rollout mode); says what to do."""
+
+
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4
 
@@ -138,7 +143,7 @@ def resume(
     if last is None:
         return 0
     if "in_flight" in checkpoint.read_loop(last):
-        raise ValueError(f"{last}: checkpoint of a separate-mode run; resume it with rollout.mode = separate")
+        raise RunError(f"{last}: checkpoint of a separate-mode run; resume it with rollout.mode = separate")
     loop = checkpoint.load(last, learner, queue)
     prompts.load_state_dict(loop["data"])
     sync_weights(learner, engine)  # the engine still holds the initial weights

@@ -1,12 +1,22 @@
-"""Weights from the learner to rollout servers: safetensors in shared memory, one file per parameter.
+"""Weights from the learner to rollout servers in their own processes (separate mode).
 
-vLLM's native NCCL/IPC weight-transfer backends need CUDA. This transport has the same shape and
-runs anywhere the servers share the learner's host: every rank walks the model parameter by
-parameter (`Learner.hf_weights`; each `full_tensor()` is a collective), rank 0 writes each HF-named
-tensor to its own safetensors file under shared memory and frees it, then each server reloads the folder through
-`/collective_rpc` (the project's worker extension, which also re-derives a tied lm_head), gets the
-learner's version with `/update_weight_version`, and must report it back on `/weight_info`.
-The learner never holds more than one full parameter beyond its shard; the files are the wire.
+Two transports of one shape, picked by `rollout.weight_transport`:
+
+- `nccl` (GPUs): vLLM's native weight-transfer engine. Learner rank 0 and every GPU worker of every
+  server form one NCCL group; rank 0 broadcasts the weights in packed buffers while the servers
+  receive them into a layer-wise reload (`/init_weight_transfer_engine`, `/start_weight_update`,
+  `/update_weights`, `/finish_weight_update`). Servers need `--weight-transfer-config
+  '{"backend": "nccl"}'` (a started server gets it).
+- `shm` (anywhere the servers share the learner's host; the CPU's only choice): rank 0 writes each
+  HF-named tensor to its own safetensors file under shared memory and frees it; each server reloads
+  the folder through `/collective_rpc` (the project's worker extension, which also re-derives a tied
+  output layer).
+
+Either way every learner rank walks the model parameter by parameter (`Learner.hf_weights`; each
+`full_tensor()` is a collective), so no rank holds more than one full parameter beyond its shard and
+nothing is pickled. The servers are paused (requests in flight are aborted and regenerated) while
+they load; then each gets the learner's version (`/update_weight_version`) and must report it back
+on `/weight_info`, or the run stops.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from m2po_cli.server import Load
 
 
 def shm_root() -> Path:
@@ -66,28 +78,19 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path
     return num_bytes
 
 
-class ShmWeightTransport:
+class WeightTransport:
     """After every `sync_every` updates, send the learner's weights to the rollout servers.
 
-    `swap(weights_dir, version)` is the rank-0 side that pauses the engines, reloads them from the
-    folder, sets and checks their version, and resumes them (see `async_loop.RolloutProducer`); it
-    is None on the other ranks, which still walk the parameters for the collective.
+    `swap(load, version)` is the rank-0 side: it pauses the engines, runs `load(servers)`, sets and
+    checks their version and resumes them (`RolloutProducer.swap`). It is None on the other ranks,
+    which still walk the parameters with rank 0 (`full_tensor()` is a collective).
     """
 
     def __init__(
-        self,
-        rank: int,
-        sync_every: int,
-        dtype: torch.dtype,
-        swap: Callable[[Path, int], None] | None,
-        tag: str,
+        self, rank: int, sync_every: int, dtype: torch.dtype, swap: Callable[[Load, int], None] | None
     ):
         self.rank, self.sync_every, self.dtype, self.swap = rank, sync_every, dtype, swap
-        self.folder = None
-        self.swept: list[Path] = []
-        if swap is not None:  # only the rank that writes needs a folder
-            self.swept = sweep_orphans(shm_root())
-            self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-pid{os.getpid()}-", dir=shm_root()))
+        self.swept: list[Path] = []  # weight folders of killed runs removed at start
         self.seconds = 0.0  # totals since the last `take_metrics()`
         self.num_bytes = 0
         self.num_syncs = 0
@@ -99,19 +102,14 @@ class ShmWeightTransport:
 
     def push(self, learner) -> None:
         t0 = time.perf_counter()
-        tensors = learner.hf_weights(self.dtype)
-        if self.swap is None:
-            for _ in tensors:  # the other ranks take part in every full_tensor() gather
-                pass
-            return
-        out = self.folder / f"v{learner.version:08d}"
-        self.num_bytes += write_safetensors(tensors, out)
-        try:
-            self.swap(out, learner.version)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-        self.seconds += time.perf_counter() - t0
-        self.num_syncs += 1
+        self.num_bytes += self._send(learner)
+        if self.swap is not None:
+            self.seconds += time.perf_counter() - t0
+            self.num_syncs += 1
+
+    def _send(self, learner) -> int:
+        """Every rank: move the weights; rank 0 (through `swap`) also loads them. Returns bytes sent."""
+        raise NotImplementedError
 
     def take_metrics(self) -> dict[str, float]:
         m = {
@@ -123,5 +121,46 @@ class ShmWeightTransport:
         return m
 
     def close(self) -> None:
+        pass
+
+
+class ShmWeightTransport(WeightTransport):
+    """Safetensors files in shared memory, one per parameter, reloaded by each server."""
+
+    def __init__(self, rank, sync_every, dtype, swap, tag: str):
+        super().__init__(rank, sync_every, dtype, swap)
+        self.folder = None
+        if swap is not None:  # only the rank that writes needs a folder
+            self.swept = sweep_orphans(shm_root())
+            self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-pid{os.getpid()}-", dir=shm_root()))
+
+    def _send(self, learner) -> int:
+        tensors = learner.hf_weights(self.dtype)
+        if self.swap is None:
+            for _ in tensors:  # the other ranks take part in every full_tensor() gather
+                pass
+            return 0
+        out = self.folder / f"v{learner.version:08d}"
+        num_bytes = write_safetensors(tensors, out)
+        try:
+            self.swap(lambda servers: [s.load_weights(out) for s in servers], learner.version)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+        return num_bytes
+
+    def close(self) -> None:
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def resolve_transport(choice: str) -> str:
+    """`rollout.weight_transport`: auto is nccl where CUDA is, else shm."""
+    from m2po_cli.train import RunError
+
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "shm"
+    if choice == "nccl" and not torch.cuda.is_available():
+        raise RunError(
+            "rollout.weight_transport: nccl needs CUDA on the learner; this machine has none (use shm)"
+        )
+    return choice

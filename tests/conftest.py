@@ -60,3 +60,18 @@ def no_record(run_dir: Path, learner):
     from m2po_cli.record import Recorder
 
     return Recorder(run_dir, InspectConfig(every=0), 0, learner.rank, learner.world)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu(n)`: skipped unless n CUDA devices (default 1) are visible."""
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    found = torch.cuda.device_count()
+    for item in marked:
+        args = item.get_closest_marker("gpu").args
+        need = args[0] if args else 1
+        if found < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA device(s), found {found}"))

@@ -1,0 +1,140 @@
+"""The NCCL weight transport of separate mode: vLLM's weight-transfer engine, learner to servers.
+
+Learner rank 0 is rank 0 of a NCCL group whose other ranks are the GPU workers of every server,
+server after server (`rank_offsets`). Each sync: the servers are paused, every learner rank walks
+the model (`LearnerSource`: each `full_tensor()` is a collective), rank 0 broadcasts the HF-named
+tensors in packed buffers while every server receives them concurrently into a layer-wise reload,
+then the version is set and checked. vLLM's trainer engine does the broadcast; `FanOutClient` sends
+its control calls to all servers at once, each with its own rank offset.
+
+Bytes per sync: the model in the serving dtype, once over NCCL (16.4 GB for the 8B recipe in bf16),
+in packed buffers of `PACKED_BUFFER_BYTES` (two in flight): the learner's extra GPU memory is one
+full parameter (1.2 GB for the 8B model's embedding) plus the two buffers.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from m2po_cli.server import EngineError, EngineServer, _free_port
+from m2po_cli.weight_transport import WeightTransport
+
+PACKED_BUFFER_BYTES = 2**30
+
+
+def rank_offsets(world_sizes: list[int]) -> list[int]:
+    """Each server's first rank in the transfer group: learner rank 0 first, then the servers in turn."""
+    offsets, next_rank = [], 1
+    for size in world_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets
+
+
+class FanOutClient:
+    """vLLM's weight-sync client protocol over several servers: every call goes to all of them at once.
+
+    They must run concurrently: each server's `update_weights` blocks in the NCCL receive until rank
+    0 broadcasts, and the same for the rendezvous in `init_weight_transfer_engine`."""
+
+    def __init__(self, servers: list[EngineServer], world_sizes: list[int]):
+        self.servers, self.offsets = servers, rank_offsets(world_sizes)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
+
+    def _all(self, route: str, bodies: list[dict | None]) -> None:
+        futures = [
+            self.pool.submit(s._post, route, json=body) for s, body in zip(self.servers, bodies, strict=True)
+        ]
+        for f in futures:
+            f.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """vLLM's trainer writes one worker offset for a single server; each server gets its own."""
+        self._all(
+            "/init_weight_transfer_engine",
+            [{"init_info": {**init_info, "rank_offset": off}} for off in self.offsets],
+        )
+
+    def start_weight_update(self) -> None:
+        self._all("/start_weight_update", [None] * len(self.servers))
+
+    def update_weights(self, update_info) -> None:
+        self._all("/update_weights", [{"update_info": update_info}] * len(self.servers))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        body = {"weight_version": weight_version} if weight_version is not None else None
+        self._all("/finish_weight_update", [body] * len(self.servers))
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._all("/shutdown_weight_transfer_engine", [None] * len(self.servers))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def learner_source(learner, dtype: torch.dtype):
+    """A vLLM `WeightSource` over the learner: HF names and full shapes declared without gathering,
+    then the same tensors, in the same order, from `Learner.hf_weights`."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class LearnerSource(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(name, dtype, shape) for name, shape in learner.hf_shapes()]
+
+        def __iter__(self):
+            return iter(learner.hf_weights(dtype))
+
+    return LearnerSource()
+
+
+class NcclWeightTransport(WeightTransport):
+    """vLLM's NCCL weight-transfer engine (GPUs only). A collective to build: every rank calls it."""
+
+    def __init__(self, rank, sync_every, dtype, swap, learner, servers: list[EngineServer] | None):
+        super().__init__(rank, sync_every, dtype, swap)
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        self.client = None
+        world_sizes = [s.world_size() for s in servers] if servers else []
+        info = NCCLTrainerInitInfo(
+            master_address=_address_for(servers or []),
+            master_port=_free_port() if rank == 0 else 0,
+            world_size=1 + sum(world_sizes),
+            packed=True,
+            packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
+            rank=rank,
+        )
+        if rank == 0:
+            self.client = FanOutClient(servers, world_sizes)
+        self.engine = WeightTransferTrainerFactory.trainer_init(
+            info, client=self.client, source=learner_source(learner, dtype)
+        )
+
+    def _send(self, learner) -> int:
+        if self.swap is None:
+            self.engine.send_weights()  # this rank's part of every gather
+            return 0
+        self.swap(lambda servers: self.engine.send_weights(), learner.version)
+        return sum(torch.Size(shape).numel() for _, shape in learner.hf_shapes()) * self.dtype.itemsize
+
+    def close(self) -> None:
+        if self.client is not None:  # attached servers outlive the run: release their side too
+            try:
+                self.client.shutdown_weight_transfer_engine()
+            except EngineError:
+                pass
+            self.client.close()
+        self.engine.shutdown()
+
+
+def _address_for(servers: list[EngineServer]) -> str:
+    """The address the servers reach the learner's rank 0 at: loopback when they all run here."""
+    local = ("http://127.0.0.1", "http://localhost")
+    if all(s.url.startswith(local) for s in servers):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
