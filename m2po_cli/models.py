@@ -214,12 +214,14 @@ def _locked(lock_path: Path) -> Iterator[None]:
 def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
     root = cache_root() / "models"
     final = root / f"{name}-{_spec_hash(spec)}"
-    if final.is_dir():
+    if _usable(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{final.name}.lock"):
-        if final.is_dir():  # built by another process while we waited for the lock
+        if _usable(final):  # built by another process while we waited for the lock
             return final
+        if final.is_dir():  # files removed or cut short after the build: build it again
+            shutil.rmtree(final)
         for stale in root.glob(f".{final.name}.tmp*"):  # left by a killed build; we hold the lock
             shutil.rmtree(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
@@ -235,6 +237,14 @@ def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _usable(folder: Path) -> bool:
+    try:
+        check_model_dir(folder)
+    except ModelError:
+        return False
+    return True
 
 
 # --- SmolLM2 from GGUF ---------------------------------------------------------------------------

@@ -161,6 +161,16 @@ def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, 
     AutoModelForCausalLM.from_pretrained(final)
 
 
+@pytest.mark.parametrize("damage", ["config.json", "model.safetensors"])
+def test_a_damaged_cache_entry_is_built_again(cheap_builtin, damage):
+    """A built model whose files were removed after the build is not handed to the engine."""
+    final = resolve_model(cheap_builtin)
+    (final / damage).unlink()
+    assert resolve_model(cheap_builtin) == final
+    models.check_model_dir(final)
+    AutoModelForCausalLM.from_pretrained(final)
+
+
 def test_resolve_local_dir_and_errors(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ValueError, match="unknown builtin"):
