@@ -48,7 +48,8 @@ class RunConfig(Table):
     collective_timeout_minutes: float = field(
         60.0,
         "How long a rank waits in a collective (gather, all-reduce) before the run fails; must exceed the "
-        "longest phase one rank may spend alone (generating its share, grading, saving a checkpoint).",
+        "longest wait for another rank: the slowest engine sampling and grading its share of a rollout "
+        "batch, a checkpoint save, the final export.",
         gt=0,
     )
 

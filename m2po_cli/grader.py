@@ -146,7 +146,10 @@ def _worker_main(conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
     answers_match("1", "1")  # import sympy and the LaTeX parser before reporting ready
-    conn.send("ready")
+    try:
+        conn.send("ready")
+    except BrokenPipeError:  # the pool was closed while this worker was still starting
+        return
     while True:
         try:
             pairs, timeout_s = conn.recv()

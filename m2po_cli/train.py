@@ -1,12 +1,14 @@
 """`m2po train`: the loop. One named call per phase; staleness is a visible variable of the loop.
 
-Rank 0 owns the rollout engine and the grader (colocated: the engine shares the learner's devices and
-the two alternate); every rank trains its slice of each optimizer batch. Rank 0 packs each rollout
-batch into flat tensors and `packed.distribute` sends every rank only the rows it trains.
+Every rank holds a rollout engine (colocated: the engine shares the learner's devices and the two
+alternate); groups of `rollout.tensor_parallel_size` consecutive ranks share one. Each engine samples
+its own contiguous share of a rollout batch's prompts; the first rank of its group grades and packs
+those rows, and `packed.distribute` sends every rank only the rows it trains. Rank 0 writes the run log.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -68,7 +70,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         if rank == 0:
             log = RunLog(run_dir, recipe, learner.world)
             stack.callback(log.close)
-            grader = stack.enter_context(Grader())
+        if rank % recipe.rollout.tensor_parallel_size == 0:  # grades the rows its engine samples
+            grader = stack.enter_context(Grader(num_workers=grader_workers()))
         engine = build_engine(model_dir, recipe, learner.world, log)
         stack.callback(engine.close)
 
@@ -107,6 +110,13 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     if log is not None:
         log.message(log.summary())
     return run_dir
+
+
+def grader_workers() -> int:
+    """Grading processes per generating rank: 4, or fewer when the ranks on this host would otherwise
+    start more than it has cores (each worker imports sympy: ~1-2 s and ~200 MB)."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(4, (os.cpu_count() or 1) // local_ranks))
 
 
 def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
@@ -159,34 +169,55 @@ def rollout(
     recorder: Recorder,
     index: int,
 ) -> PackedRollouts:
-    """Sample and grade one batch with the current policy (rank 0), pack it, give each rank its rows.
+    """Sample and grade one batch with the current policy (each engine its share), give each rank its rows.
 
     The batch of rollout step `index` is trained at step `index + K`; its rows are all scored at
     the behaviour version when they are the behaviour logprobs or when that step is recorded.
     """
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
-    batch = PackedRollouts.empty(learner.version)
-    if learner.rank == 0:
-        t0 = time.perf_counter()
-        groups = engine.generate([p.token_ids for p in prompt_batch], _seed(recipe.run.seed, index))
-        t_gen = time.perf_counter() - t0
-        golds = [p.problem.answer for p in prompt_batch for _ in range(recipe.rollout.n)]
-        rewards = grader.grade_many([c.text for group in groups for c in group], golds)
-        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(prompt_batch), recipe.rollout.n)
-        a = recipe.algorithm
-        batch = pack_groups(
-            learner.version,
-            0,
-            [p.token_ids for p in prompt_batch],
-            groups,
-            rewards_PG,
-            a.normalize_std,
-            a.std_eps,
-        )
-        batch.meta = {"time/generate": t_gen, "time/grade": time.perf_counter() - t0 - t_gen}
+    batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
     batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
     recorded = recorder.due(index + recipe.queue_batches)
     _score_at_behaviour_version(batch, learner, recipe.algorithm.behaviour_logprobs == "learner" or recorded)
+    return batch
+
+
+def engine_share(rank: int, world: int, tp: int, num_prompts: int) -> tuple[int, range]:
+    """This rank's engine group (`tp` consecutive ranks) and the prompts it samples: the `world / tp`
+    groups take contiguous shares, the first ones one prompt longer when uneven (`torch.tensor_split`)."""
+    group = rank // tp
+    size, extra = divmod(num_prompts, world // tp)
+    start = group * size + min(group, extra)
+    return group, range(start, start + size + (group < extra))
+
+
+def generate_share(
+    engine: RolloutEngine, grader, prompt_batch: list, learner: Learner, recipe: Recipe, index: int
+) -> PackedRollouts:
+    """This engine's share of the batch: sampled by every rank of its group (vLLM's external
+    launcher needs the same prompts on each), graded and packed by the group's first rank, the
+    others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
+    are the slowest engine's (`time/generate`) and the slowest grader's (`time/grade`).
+    """
+    tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
+    engine_group, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
+    mine = [prompt_batch[i] for i in share]
+    tokens = [p.token_ids for p in mine]
+    batch = PackedRollouts.empty(learner.version)
+    t0 = time.perf_counter()
+    groups = engine.generate(tokens, _seed(recipe.run.seed, index, engine_group)) if mine else []
+    t_gen = time.perf_counter() - t0
+    if mine and learner.rank % tp == 0:
+        golds = [p.problem.answer for p in mine for _ in range(n)]
+        rewards = grader.grade_many([c.text for group in groups for c in group], golds)
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(mine), n)
+        a = recipe.algorithm
+        batch = pack_groups(
+            learner.version, share.start * n, tokens, groups, rewards_PG, a.normalize_std, a.std_eps
+        )
+    t_grade = time.perf_counter() - t0 - t_gen
+    slowest = _all_reduce(torch.tensor([t_gen, t_grade], dtype=torch.float64), dist.ReduceOp.MAX)
+    batch.meta = {"time/generate": float(slowest[0]), "time/grade": float(slowest[1])}
     return batch
 
 
@@ -358,8 +389,10 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
     return x
 
 
-def _seed(run_seed: int, index: int) -> int:
-    return (run_seed * 1_000_003 + (index + 1_000) * 10_007) % 2**31
+def _seed(run_seed: int, index: int, engine_group: int = 0) -> int:
+    """The sampling seed of one engine for rollout step `index`: fixed by the run's seed, so a resumed
+    run samples what the uninterrupted one did; engine group 0 has the one-engine run's seed."""
+    return (run_seed * 1_000_003 + (index + 1_000) * 10_007 + engine_group * 1_000_000_007) % 2**31
 
 
 def _max_len(recipe: Recipe) -> int:

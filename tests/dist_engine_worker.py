@@ -1,7 +1,10 @@
 """Run by tests/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
 
-Each rank builds its in-process engine (`external_launcher`), generates its share of the prompts,
-packs it, trains on the rows `distribute` gives it with the other ranks, and after each update first checks that a
+Each rank builds its in-process engine (`external_launcher`). First the train loop's own rollout
+step (`train.rollout`, with a grader on each rank) samples one batch: the record keeps the prompts
+and responses this rank's engine was asked for and the rows the rank holds afterwards. Then, with
+random rewards so the weights move, each rank generates its share of the prompts, packs it, trains
+on the rows `distribute` gives it with the other ranks, and after each update first checks that a
 skipped push is caught (version check, probe gap), then pushes and probes again. Writes
 OUT/rank<r>.json.
 """
@@ -15,17 +18,54 @@ from pathlib import Path
 import torch
 
 from m2po_cli.config import load_recipe
-from m2po_cli.data import encode_prompt
+from m2po_cli.data import PromptBatches, encode_prompt, load_problems
+from m2po_cli.grader import Grader
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
-from m2po_cli.rollout import VLLMEngine
-from m2po_cli.train import rows_per_update, sync_weights, train_on
+from m2po_cli.rollout import Completion, VLLMEngine
+from m2po_cli.train import grader_workers, rollout, rows_per_update, sync_weights, train_on
 from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
+
+
+class SeenEngine(VLLMEngine):
+    """The real engine; it also remembers what it was asked to sample and what it answered."""
+
+    asked: list[dict]
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
+        groups = super().generate(prompts, seed)
+        answers = [[c.token_ids for c in group] for group in groups]
+        self.asked.append({"prompts": prompts, "seed": seed, "responses": answers})
+        return groups
+
+
+def train_rollout(engine: SeenEngine, tokenizer, learner) -> dict:
+    """One batch of 4 prompts x 8 through `train.rollout`, 2 updates per batch, so rank 0 trains
+    prompts 0 and 2 and rank 1 prompts 1 and 3, whoever sampled them."""
+    recipe = load_recipe(
+        QUICKSTART,
+        ['model.path="builtin:tiny-qwen3"', "rollout.prompts_per_step=4", "train.mini_batch_prompts=2"],
+    )
+    problems = load_problems(recipe.data)
+    prompts = PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+    expected = [p.token_ids for p in next(PromptBatches(problems, tokenizer, recipe.data, 4))]
+    engine.asked = []
+    with Grader(grader_workers()) as grader:
+        batch = rollout(engine, grader, prompts, learner, recipe, no_record(recipe, learner), 0)
+    tokens = [t.tolist() for t in batch.tokens_N.split(batch.lengths_B.tolist())]
+    return {
+        "batch_prompts": expected,
+        "asked": list(engine.asked),  # a copy: the engine goes on sampling
+        "rows": batch.row_B.tolist(),
+        "row_tokens": tokens,
+        "prompt_len": batch.prompt_len_B.tolist(),
+        "meta": batch.meta,
+    }
 
 
 def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[PackedRollouts, list]:
@@ -58,7 +98,7 @@ def main(out: Path) -> None:
     )
     model_dir = resolve_model(recipe.model.path)
     learner = Learner(model_dir, recipe)
-    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64, world=learner.world)
+    engine = SeenEngine(model_dir, recipe.rollout, "float32", 64, world=learner.world)
     tokenizer = engine.tokenizer
     probe = [
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
@@ -67,6 +107,7 @@ def main(out: Path) -> None:
     record = {"rank": learner.rank, "world": learner.world, "generated": [], "gaps": [], "stale": []}
     record["skips_caught"] = 0
     try:
+        record["rollout"] = train_rollout(engine, tokenizer, learner)
         record["gaps"].append(logprob_gap(engine, learner, probe))
         for step in range(2):
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)

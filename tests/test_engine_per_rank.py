@@ -27,6 +27,30 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
+    # The train loop's rollout step: each rank's engine sampled its own half of the batch's prompts,
+    # with its own seed ...
+    batch_prompts, n = ranks[0]["rollout"]["batch_prompts"], 8
+    sampled = {}  # (prompt, sample) -> response tokens, from whichever engine sampled them
+    for r, rec in enumerate(ranks):
+        assert rec["rollout"]["batch_prompts"] == batch_prompts
+        (asked,) = rec["rollout"]["asked"]
+        assert asked["prompts"] == batch_prompts[2 * r : 2 * r + 2], f"rank {r} sampled other prompts"
+        for i, group in enumerate(asked["responses"]):
+            sampled.update({(2 * r + i, g): response for g, response in enumerate(group)})
+    assert ranks[0]["rollout"]["asked"][0]["seed"] != ranks[1]["rollout"]["asked"][0]["seed"]
+    # ... and each rank then holds the rows it trains (2 updates of 2 prompts: prompts 0 and 2 on
+    # rank 0, 1 and 3 on rank 1), each row the prompt and the response its engine sampled.
+    for r, rec in enumerate(ranks):
+        rows = rec["rollout"]
+        assert rows["rows"] == [p * n + g for p in (r, r + 2) for g in range(n)]
+        for row, tokens, prompt_len in zip(rows["rows"], rows["row_tokens"], rows["prompt_len"], strict=True):
+            prompt, sample = divmod(row, n)
+            assert tokens == batch_prompts[prompt] + sampled[prompt, sample], f"row {row} on rank {r}"
+            assert prompt_len == len(batch_prompts[prompt])
+    # The timings are the slowest engine's and grader's, the same on every rank.
+    for key in ("time/generate", "time/grade"):
+        assert ranks[0]["rollout"]["meta"][key] == ranks[1]["rollout"]["meta"][key] > 0, key
+
     for r, rec in enumerate(ranks):
         assert rec["world"] == 2
         for step in rec["generated"]:  # rank 0 samples prompts 0-1, rank 1 prompts 2-3, n each

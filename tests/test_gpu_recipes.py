@@ -46,9 +46,9 @@ def test_colocated_settings_match_their_comments(path: Path):
     assert ranks == 8  # the paper's 8 GPUs
 
     engine = comment_above(text, "gpu_memory_utilization")
-    assert (
-        "every rank builds its own vLLM engine" in engine and "rank 0's samples each rollout batch" in engine
-    )
+    assert "every rank builds its own vLLM engine" in engine
+    share = f"samples its share of each rollout batch ({r.prompts_per_step} / {ranks} = "
+    assert share + f"{r.prompts_per_step // ranks} prompts)" in engine
     assert "half of the GPU" in engine and r.gpu_memory_utilization == 0.5
     assert f"sleeps (level {r.sleep_level}:" in engine and r.sleep_level == 1
     assert r.tensor_parallel_size == 1 and "One GPU per engine" in comment_above(text, "tensor_parallel_size")
@@ -68,6 +68,7 @@ def test_colocated_settings_match_their_comments(path: Path):
 
     timeout = comment_above(text, "collective_timeout_minutes")
     assert f"{r.prompts_per_step} x {r.n} responses of up to {r.max_new_tokens:,} tokens" in timeout
+    assert f"over {ranks} engines: {r.prompts_per_step // ranks} prompts x {r.n} each" in timeout
     assert recipe.run.collective_timeout_minutes == 60
 
     micro = comment_above(text, "micro_batch_sequences")

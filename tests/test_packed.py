@@ -13,6 +13,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.rollout import Completion
 from m2po_cli.staleness import StalenessQueue
+from m2po_cli.train import _seed, engine_share
 from tests.conftest import recipe_for
 
 
@@ -82,6 +83,23 @@ def test_owners_split_each_update_like_tensor_split():
             ):
                 expected[part] = rank
         assert torch.equal(owners(rows, per_update, world), expected), (per_update, world)
+
+
+def test_engine_shares_split_the_prompts_like_tensor_split():
+    for num_prompts, world, tp in [(8, 2, 1), (7, 3, 1), (3, 8, 1), (10, 4, 2), (5, 8, 4), (4, 1, 1)]:
+        parts = torch.tensor_split(torch.arange(num_prompts), world // tp)
+        for rank in range(world):
+            group, share = engine_share(rank, world, tp, num_prompts)
+            assert group == rank // tp and list(share) == parts[group].tolist(), (
+                num_prompts,
+                world,
+                tp,
+                rank,
+            )
+    # One process: one engine samples the whole batch with the seed it always had.
+    assert engine_share(0, 1, 1, 32) == (0, range(32))
+    assert _seed(0, 5) == _seed(0, 5, 0) == (5 + 1_000) * 10_007
+    assert len({_seed(3, i, g) for i in range(50) for g in range(8)}) == 400
 
 
 def test_distribute_on_one_rank_keeps_everything():
