@@ -45,7 +45,7 @@ class PackedRollouts:
     finished_B: Tensor  # bool: stopped on EOS rather than on the length limit
     solved_B: Tensor  # bool: some row of the row's group has a reward > 0
     version_B: Tensor  # int64: the policy version that generated the row
-    meta: dict[str, float] = field(default_factory=dict)  # timings of the rank that generated it
+    meta: dict[str, float] = field(default_factory=dict)  # the batch's timings (slowest engine's)
 
     @property
     def num_rows(self) -> int:

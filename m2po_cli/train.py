@@ -375,7 +375,7 @@ def rollout_metrics(batch: PackedRollouts, staleness: int) -> dict[str, float]:
         "staleness/behaviour_version": float(batch.version),
         **batch.meta,
     }
-    if "time/generate" in batch.meta:
+    if "time/generate" in batch.meta:  # every engine's tokens over the slowest engine's time
         metrics["perf/rollout_tokens_per_s"] = tokens / max(batch.meta["time/generate"], 1e-9)
     return metrics
 
