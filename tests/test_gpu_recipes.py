@@ -19,7 +19,8 @@ from m2po_cli.learner import mixed_precision
 from m2po_cli.titan import attention_backends
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_RECIPES = sorted((ROOT / "recipes").glob("qwen*.toml"))
+# The colocated GPU recipes (the `-separate` twins run engines beside the learner: docs/staleness.md).
+GPU_RECIPES = sorted(p for p in (ROOT / "recipes").glob("qwen*.toml") if not p.stem.endswith("-separate"))
 
 
 def comment_above(text: str, key: str) -> str:
