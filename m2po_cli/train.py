@@ -114,7 +114,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
 
 def grader_workers() -> int:
     """Grading processes per generating rank: 4, or fewer when the ranks on this host would otherwise
-    start more than it has cores (each worker imports sympy: ~1-2 s and ~200 MB)."""
+    start more than it has cores (each worker imports sympy: a few seconds and ~200 MB)."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, min(4, (os.cpu_count() or 1) // local_ranks))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -107,7 +108,9 @@ def main(out: Path) -> None:
     record = {"rank": learner.rank, "world": learner.world, "generated": [], "gaps": [], "stale": []}
     record["skips_caught"] = 0
     try:
+        t0 = time.perf_counter()
         record["rollout"] = train_rollout(engine, tokenizer, learner)
+        record["rollout"]["seconds"] = time.perf_counter() - t0
         record["gaps"].append(logprob_gap(engine, learner, probe))
         for step in range(2):
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)

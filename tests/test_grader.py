@@ -1,6 +1,7 @@
 """The grader on real math-verify: extraction, equivalence, time limits, pool recovery, benchmarks."""
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_cli.grader import Grader, extract_boxed, grade
+from m2po_cli.grader import Grader, _worker_main, extract_boxed, grade
 
 BENCHMARKS = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
 BENCHMARK_FILES = sorted(BENCHMARKS.glob("*.jsonl"))
@@ -210,6 +211,19 @@ def test_worker_that_died_idle_loses_no_sample():
         os.waitpid(pid, 0)
         assert g.grade_many([r"\boxed{1}", r"\boxed{2}"], ["1", "2"]) == [1.0, 1.0]
         assert (g.num_timeouts, g.num_restarts) == (0, 1)
+
+
+def test_worker_of_a_pool_closed_while_it_started_exits_quietly(capfd):
+    """A rank's pool closed before its workers were ready (a short run, a failed start) prints nothing."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    worker = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+    worker.start()
+    child.close()
+    parent.close()  # before the worker, still importing sympy, reports ready
+    worker.join(timeout=120)
+    assert worker.exitcode == 0
+    assert "Traceback" not in capfd.readouterr().err
 
 
 # --- benchmarks ----------------------------------------------------------------------------------
