@@ -25,7 +25,7 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 
 
 def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollouts:
-    """The whole batch, packed (what rank 0 holds after generating it)."""
+    """The whole batch, packed; in this test rank 0 holds all of it and `distribute` spreads it."""
     g = torch.Generator().manual_seed(100 + step)
     prompts = [
         torch.randint(3, vocab, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
