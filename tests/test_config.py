@@ -4,6 +4,7 @@ and `docs/recipes.md` matches the schema."""
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -323,6 +324,25 @@ def test_dry_run_imports_neither_torch_nor_vllm():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("[run]")
+
+
+def test_train_makes_idle_openmp_threads_sleep_unless_the_user_chose():
+    # The engine and the learner share one process's OpenMP threads: spinning ones stall on a busy machine.
+    code = (
+        "import os, sys\n"
+        "from m2po_cli.cli import idle_threads_sleep\n"
+        "idle_threads_sleep()\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(os.environ['OMP_WAIT_POLICY'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, expected in [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")]:
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=run_env, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == expected
 
 
 # --- docs/recipes.md -----------------------------------------------------------------------------
