@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from m2po_cli.cli import idle_threads_sleep
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "smollm2-135m-cpu.toml"
 PHASES = ["generate", "grade", "score", "update", "weight_sync", "rollout", "train", "step"]
@@ -73,10 +75,13 @@ def load() -> str:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     """The engine-alone phase in a child process (this script again, `--engine-only`); its JSON."""
-    cmd = [sys.executable, __file__, "--engine-only", "--steps", str(args.steps), "--recipe", args.recipe]
+    steps = min(args.steps, args.raw_steps)
+    cmd = [sys.executable, __file__, "--engine-only", "--steps", str(steps), "--recipe", args.recipe]
     cmd += [a for o in overrides for a in ("--set", o)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    if proc.returncode:
+        sys.exit(f"the engine-alone phase failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def train(args: argparse.Namespace, overrides: list[str], out_dir: Path) -> list[dict]:
@@ -118,11 +123,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=str(RECIPE))
     ap.add_argument("--steps", type=int, default=4, help="steps to run (ignored with --full)")
+    ap.add_argument(
+        "--raw-steps", type=int, default=4, help="steps whose batches the engine alone generates (at most)"
+    )
     ap.add_argument("--full", action="store_true", help="run the whole recipe and compare reward fifths")
     ap.add_argument("--margin", type=float, default=0.05, help="least rise of the reward, with --full")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    idle_threads_sleep()  # as `m2po train` does; both phases run with the same OpenMP policy
     if args.engine_only:
         print(json.dumps({"generate_S": engine_alone(args.recipe, args.overrides, args.steps)}))
         return 0
