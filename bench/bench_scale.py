@@ -20,6 +20,7 @@ version; micro-batches of `micro_batch_sequences` rows in row order.
 from __future__ import annotations
 
 import argparse
+import math
 import pickle
 import resource
 import statistics
@@ -243,6 +244,14 @@ class TokenCounter:
         self.tokens += tokens_BL.numel()
 
 
+def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
+    """Synthetic log r per token: 0.05 x normal + `scale` x Student-t(2) (a heavy tail, so a small
+    share of tokens is masked; `scale` = 0.1 masks about 0.3%)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(shape, generator=g) / (torch.distributions.Chi2(2.0).sample(shape) / 2).sqrt()
+    return 0.05 * torch.randn(shape, generator=g) + scale * t
+
+
 def passes_and_timing(report, args) -> None:
     from m2po_cli.config import GRPOLoss, M2POLoss
     from m2po_cli.learner import Learner
@@ -257,39 +266,68 @@ def passes_and_timing(report, args) -> None:
             Path(tmp),
             'model.path="builtin:smollm2-135m-instruct"',
             f"train.micro_batch_sequences={args.micro}",
+            "optim.lr=1e-9",  # the weights stay put, so every update sees the same ratios
         )
         learner = Learner(resolve_model(recipe.model.path), recipe)
     vocab = learner.arch.hf_config["vocab_size"]
     prompt_ids, groups, rewards_PG = synthetic_groups(args.rows // 4, 4, args.max_response, vocab, seed=1)
     pack = pack_groups(0, 0, prompt_ids, groups, rewards_PG, True, 1e-6)
     batch = pack.to_batch(torch.arange(pack.num_rows))
+    current_BL, _ = learner.score(batch)
     num_tokens = int(batch.mask_BL.sum())
     real = int(batch.lengths_B.sum())
     counter = TokenCounter(learner.model)
     losses = {"m2po": build_loss(M2POLoss()), "grpo": build_loss(GRPOLoss())}
+    seeds = iter(range(10**6))
 
+    def run(which: str, name: str) -> dict:
+        """One update: the baseline code, or the learner with `global_pass` = `which`; behaviour
+        logprobs redrawn each time (the same distribution), as a new batch would be."""
+        noise_BL = log_ratio_noise(batch.mask_BL.shape, args.noise, next(seeds))
+        batch.behaviour_logprobs_BL = (current_BL - noise_BL) * batch.mask_BL
+        if which == "baseline":
+            return baseline_update(learner, batch, losses[name], num_tokens) or {}
+        learner.global_pass = which
+        return learner.update(batch, losses[name], num_tokens)
+
+    # The learner's two ways to M2PO's mask: `score_first` (a no-grad pass, then the training
+    # passes) and `correct_after` (the mask from the training passes, then a correction).
+    plan = [("baseline", "grpo"), ("baseline", "m2po"), ("auto", "grpo"), ("score_first", "m2po")]
+    plan.append(("correct_after", "m2po"))
+    run("correct_after", "m2po")  # sets the provisional threshold from a batch like the others
     # Forward passes per update, in units of the update's own tokens (one forward of every row = 1).
-    counts = {}
-    for name, loss_fn in losses.items():
+    counts, times, fracs, masked = {}, {key: [] for key in plan}, [], []
+    for key in plan:
         counter.tokens = 0
-        baseline_update(learner, batch, loss_fn, num_tokens)
-        counts[("before", name)] = counter.tokens / real
-        counter.tokens = 0
-        learner.update(batch, loss_fn, num_tokens)
-        counts[("after", name)] = counter.tokens / real
+        run(*key)
+        counts[key] = counter.tokens / real
+    for _ in range(args.repeats):
+        for key in plan:
+            t0 = time.perf_counter()
+            metrics = run(*key)
+            times[key].append(time.perf_counter() - t0)
+            if key[0] == "correct_after":
+                fracs.append(metrics["m2po/correction_frac"])
+                masked.append(metrics["m2po/num_masked"] / num_tokens)
     counter.tokens = 0
     baseline_score(learner, batch)
     score_before = counter.tokens / real
     counter.tokens = 0
     _score_at_behaviour_version(pack, learner, everything=False)
     score_after = counter.tokens / real
-    for name in losses:
+    for name, after in (("grpo", "auto"), ("m2po", "score_first")):
         report.row(
             f"forwards per update, {name} (this run, 1 rank)",
-            counts[("before", name)],
-            counts[("after", name)],
+            counts[("baseline", name)],
+            counts[(after, name)],
             "x",
         )
+    report.row(
+        f"forwards per update, m2po, score_first -> correct_after ({100 * statistics.mean(masked):.2f}% masked)",
+        counts[("score_first", "m2po")],
+        counts[("correct_after", "m2po")],
+        "x",
+    )
     report.row("behaviour-version scoring per rollout batch (1 rank)", score_before, score_after, "x")
     p = PAPER
     # At 8 ranks with 4 updates per batch: the baseline scored all 2,048 rows on each rank, 8x a rank's
@@ -299,28 +337,28 @@ def passes_and_timing(report, args) -> None:
     new_scoring = MISMATCH_SAMPLE_ROWS / rows_per_rank / p["updates"]
     for name, global_pass in (("m2po", 1), ("grpo", 0)):
         report.row(
-            f"8B: forwards per update per rank, {name} (incl. scoring)",
+            f"8B: forwards per update per rank, {name} (incl. scoring, score_first)",
             1 + global_pass + old_scoring,
             1 + global_pass + new_scoring,
             "x",
         )
-
-    times = {key: [] for key in [(w, n) for w in ("before", "after") for n in losses]}
-    for _ in range(args.repeats):
-        for name, loss_fn in losses.items():
-            t0 = time.perf_counter()
-            baseline_update(learner, batch, loss_fn, num_tokens)
-            times[("before", name)].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            learner.update(batch, loss_fn, num_tokens)
-            times[("after", name)].append(time.perf_counter() - t0)
     median = {k: statistics.median(v) for k, v in times.items()}
-    report.row("SmolLM2-135M full update, grpo", median[("before", "grpo")], median[("after", "grpo")], "s")
-    report.row("SmolLM2-135M full update, m2po", median[("before", "m2po")], median[("after", "m2po")], "s")
+    grpo_before, grpo_after = median[("baseline", "grpo")], median[("auto", "grpo")]
+    report.row("SmolLM2-135M full update, grpo", grpo_before, grpo_after, "s")
     report.row(
-        "SmolLM2-135M full-update ratio m2po / grpo",
-        median[("before", "m2po")] / median[("before", "grpo")],
-        median[("after", "m2po")] / median[("after", "grpo")],
+        "SmolLM2-135M full update, m2po", median[("baseline", "m2po")], median[("score_first", "m2po")], "s"
+    )
+    report.row(
+        "SmolLM2-135M full-update ratio m2po / grpo (baseline -> score_first)",
+        median[("baseline", "m2po")] / grpo_before,
+        median[("score_first", "m2po")] / grpo_after,
+        "x",
+    )
+    report.row(
+        f"SmolLM2-135M full-update ratio m2po / grpo (score_first -> correct_after, "
+        f"correction {100 * statistics.mean(fracs):.1f}% of tokens)",
+        median[("score_first", "m2po")] / grpo_after,
+        median[("correct_after", "m2po")] / grpo_after,
         "x",
     )
 
@@ -337,6 +375,56 @@ def passes_and_timing(report, args) -> None:
         padding_overhead(batch.lengths_B, new_parts),
         "x",
     )
+
+
+def correction_at_paper_size(report, noise: float) -> None:
+    """M2PO's update cost at the 8B recipe's sizes, from the mask on synthetic log-ratios.
+
+    One update: 512 rows (64 per rank), responses of the length spread of `synthetic_groups`, log r
+    from `log_ratio_noise`, consecutive updates drawing new ratios from the same distribution.
+    With F = one forward over a rank's tokens (2 x 8e9 params x tokens FLOPs), backward = 2F:
+    grpo costs 3F, `score_first` 4F (its no-grad pass: F, about 1/3 of forward + backward), and
+    `correct_after` 3F + 3fF, f = the share of the rank's tokens its correction runs over (each row
+    with a changed token, up to its last one). So m2po / grpo = 4/3 before and 1 + f after, taken
+    at the slowest rank (collectives wait for it); `auto` falls back to `score_first` when f > 1/3.
+    """
+    from m2po_cli.config import M2POLoss
+    from m2po_cli.learner import PROVISIONAL_MAX_LOG_RATIO, Batch, _advantages_BL
+    from m2po_cli.loss import build_loss, toward_advantage
+
+    p, loss_fn = PAPER, build_loss(M2POLoss())
+    rows = p["prompts"] * p["n"] // p["updates"]
+    _, groups, _ = synthetic_groups(rows // p["n"], p["n"], p["max_response"], 1000, seed=3)
+    response_B = torch.tensor([len(c.token_ids) for g in groups for c in g])
+    lengths_B = MEAN_PROMPT + response_B
+    columns_L = torch.arange(int(lengths_B.max()))
+    mask_BL = ((columns_L >= MEAN_PROMPT) & (columns_L < lengths_B[:, None])).float()
+    g = torch.Generator().manual_seed(4)
+    advantages_B = torch.randn(rows, generator=g).sign()  # +-1, as 0/1 rewards give
+    batch = Batch(torch.zeros_like(mask_BL, dtype=torch.long), mask_BL, mask_BL, advantages_B, lengths_B)
+    advantages_BL = _advantages_BL(batch)
+    threshold, shares, masked = math.inf, [], []
+    for seed in range(4):
+        log_ratio_BL = log_ratio_noise(mask_BL.shape, noise, 100 + seed) * mask_BL
+        keep_BL, metrics = loss_fn.prepare(log_ratio_BL, advantages_BL, mask_BL)
+        z_BL = toward_advantage(log_ratio_BL, advantages_BL)
+        limit_BL = torch.where(advantages_BL > 0, min(threshold, PROVISIONAL_MAX_LOG_RATIO), threshold)
+        change_BL = keep_BL != (mask_BL.bool() & (z_BL <= limit_BL))
+        cut_B = torch.where(change_BL.any(1), change_BL.cumsum(1).argmax(1) + 1, 0)
+        rank_share = (cut_B.view(p["ranks"], -1).sum(1) / lengths_B.view(p["ranks"], -1).sum(1)).max()
+        if seed:  # the first update has no previous threshold
+            shares.append(float(rank_share))
+            masked.append(float(metrics["m2po/num_masked"] / mask_BL.sum()))
+        threshold = float(metrics["m2po/threshold"])
+    f = statistics.mean(shares)
+    report.row(
+        f"8B: correction share f of a rank's tokens ({100 * statistics.mean(masked):.2f}% masked), "
+        "slowest rank",
+        1.0 / 3,
+        f,
+        "",
+    )
+    report.row("8B: m2po / grpo update FLOPs (4/3 -> 1 + f)", 4 / 3, 1 + f, "x")
 
 
 def padding_at_paper_size(report) -> None:
@@ -429,6 +517,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4, help="micro_batch_sequences")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--noise", type=float, default=0.1, help="heavy-tail scale of the synthetic log r")
     parser.add_argument("--peak-of", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
@@ -440,6 +529,7 @@ def main() -> None:
     report = Report()
     fifo_and_checkpoint(report)
     padding_at_paper_size(report)
+    correction_at_paper_size(report, args.noise)
     peak_logprob_memory(report)
     passes_and_timing(report, args)
 

@@ -41,9 +41,14 @@ from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
 from m2po_cli.logprobs import install_head, score_request
-from m2po_cli.loss import PolicyLoss, ratio_quantiles
+from m2po_cli.loss import PolicyLoss, ratio_quantiles, toward_advantage
 from m2po_cli.rollout import resolve_dtype
 from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
+
+# `correct_after`'s first forwards also drop tokens with A > 0 and log r above this: so large a ratio
+# is masked in practice, and a kept one would enter the gradient with weight r only to cancel, to
+# rounding, against the correction (tokens with A < 0 that could be masked have r < 1).
+PROVISIONAL_MAX_LOG_RATIO = 4.0
 
 
 def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
@@ -138,6 +143,10 @@ class Learner:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0  # optimizer updates applied
+        # How `update` gets a global keep mask (`m2po`): "auto", "score_first" or "correct_after".
+        self.global_pass = "auto"
+        self._provisional_z = math.inf  # the previous update's mask threshold
+        self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
 
     def _build(self, model_dir: Path) -> torch.nn.Module:
         with torch.device("meta"):
@@ -236,8 +245,38 @@ class Learner:
         """One optimizer update on this rank's rows; `num_tokens` counts the whole global batch.
 
         Micro-batches hold rows of similar length (`micro_batches`); each one's loss is divided by
-        the global `num_tokens`, so the gradient is the token mean whatever the grouping.
+        the global `num_tokens`, so the gradient is the token mean whatever the grouping. A loss
+        with a global mask gets it either from a no-grad pass run first (`score_first`) or from the
+        training forwards themselves, with a correction afterwards (`correct_after`); both give the
+        same gradient and metrics. `self.global_pass` picks one (`auto`: the cheaper one, judged by
+        what the previous update's correction cost).
         """
+        if loss_fn.keep_mask_aux and self._correct_after():
+            metrics, log_ratio_BL = self._update_correct_after(batch, loss_fn, num_tokens)
+        else:
+            metrics, log_ratio_BL = self._update_score_first(batch, loss_fn, num_tokens)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        metrics.update(ratio_quantiles(log_ratio_BL, batch.mask_BL, group=dist.group.WORLD))
+        out = {k: float(v) for k, v in metrics.items()}
+        out["optim/grad_norm"] = grad_norm
+        out["optim/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _correct_after(self) -> bool:
+        if self.global_pass == "auto":
+            # A correction of share f costs a forward and backward over f of the tokens (~3f
+            # forwards); the no-grad pass one forward.
+            return 3 * self._correction_frac <= 1
+        return self.global_pass == "correct_after"
+
+    def _update_score_first(
+        self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Gradients accumulated; the metrics and the raw log-ratios the forwards saw."""
         metrics: dict[str, torch.Tensor] = {}
         aux_BL = None
         if loss_fn.needs_global_pass:
@@ -247,12 +286,14 @@ class Learner:
                 log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
             )
             metrics.update(global_metrics)
+            if loss_fn.keep_mask_aux:  # what `correct_after` would have cost, for `auto`
+                metrics["m2po/correction_frac"] = self._correction(batch, log_ratio_BL, aux_BL, None, 0)
+                self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
         for index in self.micro_batches(batch):
             if not index.numel():
-                lp, _ = self.forward_logprobs(_IDLE)
-                (lp.sum() * 0.0).backward()  # this rank's share of FSDP2's collectives
+                self._idle_backward()
                 continue
             part = batch.take(index)
             lp, _ = self.forward_logprobs(part)
@@ -261,30 +302,129 @@ class Learner:
                 lp.detach().cpu() - part.behaviour_logprobs_BL
             ) * part.mask_BL
             aux = aux_BL[index, :length].to(self.device) if aux_BL is not None else None
+            loss, m = self._loss(loss_fn, lp, part, aux, num_tokens)
+            loss.backward()
+            _add(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
+        return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
+
+    def _update_correct_after(
+        self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The global mask without a pass of its own: the weights do not change within an update, so
+        the training forwards' logprobs are the ones the mask needs.
+
+        1. Each micro-batch's forward and backward under a provisional mask (`_provisional_keep`):
+           the previous update's threshold on z = log r * sign(A), and no huge ratio.
+        2. The exact mask by `prepare` over the whole batch, from the logprobs those forwards saw.
+        3. `_correction`: a forward and backward over the rows where the two masks differ, cut after
+           each row's last such token (later tokens cannot change earlier logprobs), adding the
+           gradient of the tokens the mask keeps that step 1 dropped and taking out the others'.
+        Metrics come from the saved logprobs and the exact mask, as `score_first` gives them.
+        """
+        provisional_BL = torch.zeros_like(batch.mask_BL, dtype=torch.bool)
+        current_BL = torch.zeros_like(batch.mask_BL)
+        for index in self.micro_batches(batch):
+            if not index.numel():
+                self._idle_backward()
+                continue
+            part = batch.take(index)
+            lp, _ = self.forward_logprobs(part)
+            length = part.tokens_BL.shape[1]
+            current_BL[index, :length] = lp.detach().cpu()
+            log_ratio_BL = (current_BL[index, :length] - part.behaviour_logprobs_BL) * part.mask_BL
+            keep_BL = self._provisional_keep(log_ratio_BL, part)
+            provisional_BL[index, :length] = keep_BL
+            loss, _ = self._loss(loss_fn, lp, part, keep_BL.to(self.device), num_tokens)
+            loss.backward()
+        log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
+        keep_BL, metrics = loss_fn.prepare(
+            log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
+        )
+        metrics["m2po/correction_frac"] = self._correction(
+            batch, log_ratio_BL, keep_BL, provisional_BL, num_tokens
+        )
+        self._provisional_z = float(metrics["m2po/threshold"])
+        with torch.no_grad():
             loss, m = loss_fn(
-                lp,
-                part.behaviour_logprobs_BL.to(self.device),
-                _advantages_BL(part).to(self.device),
-                part.mask_BL.to(self.device),
-                aux,
+                current_BL,
+                batch.behaviour_logprobs_BL,
+                _advantages_BL(batch),
+                batch.mask_BL,
+                keep_BL,
                 num_tokens,
             )
-            loss.backward()
-            m = {**m, "loss/loss": loss}  # additive: each micro-batch's share of the token-mean
-            for k, v in m.items():
-                additive[k] = additive.get(k, 0) + v.detach().float().cpu()
-        grad_norm = self._clip()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        for k, v in _all_reduce_sum(additive).items():
-            metrics[k] = v
-        metrics.update(ratio_quantiles(seen_log_ratio_BL, batch.mask_BL, group=dist.group.WORLD))
-        out = {k: float(v) for k, v in metrics.items()}
-        out["optim/grad_norm"] = grad_norm
-        out["optim/lr"] = self.scheduler.get_last_lr()[0]
-        return out
+        return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
+
+    def _provisional_keep(self, log_ratio_BL: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Valid tokens whose z = log r * sign(A) (as `prepare` forms it) is at most the previous
+        update's threshold, and at most PROVISIONAL_MAX_LOG_RATIO where A > 0."""
+        valid_BL, advantages_BL = batch.mask_BL.bool(), _advantages_BL(batch)
+        z_BL = toward_advantage(torch.where(valid_BL, log_ratio_BL.float(), 0.0), advantages_BL)
+        limit_BL = torch.where(
+            advantages_BL > 0, min(self._provisional_z, PROVISIONAL_MAX_LOG_RATIO), self._provisional_z
+        )
+        return valid_BL & (z_BL <= limit_BL)
+
+    def _correction(
+        self,
+        batch: Batch,
+        log_ratio_BL: torch.Tensor,
+        keep_BL: torch.Tensor,
+        provisional_BL: torch.Tensor | None,
+        num_tokens: int,
+    ) -> torch.Tensor:
+        """Accumulate -(1/N) sum (keep - provisional) r A log pi over the tokens where the masks differ
+        (r, A from the first forward, held constant), so the gradient becomes the exact mask's; returns
+        the tokens the correction's forwards ran over, as a share of the batch's, over all ranks.
+
+        `provisional_BL` None: nothing runs, the share is what the correction would have cost.
+        A collective: every rank runs as many correction micro-batches as the busiest one.
+        """
+        run = provisional_BL is not None
+        if not run:
+            provisional_BL = self._provisional_keep(log_ratio_BL, batch)
+        change_BL = keep_BL.float() - provisional_BL.float()
+        rows_K = change_BL.any(dim=1).nonzero()[:, 0]
+        cut_K = (change_BL[rows_K] != 0).cumsum(1).argmax(1) + 1  # after each row's last change
+        share = torch.tensor([float(cut_K.sum()), float(batch.lengths_B.sum())], dtype=torch.float64)
+        dist.all_reduce(share)
+        frac = share[0] / share[1].clamp(min=1)
+        self._correction_frac = float(frac)
+        if not run:
+            return frac
+        # The first forward's weight of each changed token: r A / N, held constant.
+        weight_BL = torch.where(
+            change_BL != 0, change_BL * log_ratio_BL.exp() * _advantages_BL(batch) / max(num_tokens, 1), 0.0
+        )
+        fix = Batch(
+            batch.tokens_BL[rows_K],
+            (change_BL[rows_K] != 0).float(),
+            weight_BL[rows_K],
+            batch.advantages_B[rows_K],
+            cut_K,
+        )
+        for index in self.micro_batches(fix):
+            if not index.numel():
+                self._idle_backward()
+                continue
+            part = fix.take(index)
+            lp, _ = self.forward_logprobs(part)
+            (-(lp * part.behaviour_logprobs_BL.to(self.device)).sum()).backward()
+        return frac
+
+    def _loss(self, loss_fn, lp, part, aux, num_tokens):
+        return loss_fn(
+            lp,
+            part.behaviour_logprobs_BL.to(self.device),
+            _advantages_BL(part).to(self.device),
+            part.mask_BL.to(self.device),
+            aux,
+            num_tokens,
+        )
+
+    def _idle_backward(self) -> None:
+        lp, _ = self.forward_logprobs(_IDLE)
+        (lp.sum() * 0.0).backward()  # this rank's share of FSDP2's collectives
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -442,6 +582,11 @@ _IDLE = Batch(
 def _advantages_BL(batch: Batch) -> torch.Tensor:
     """Each row's sequence advantage, repeated along its tokens."""
     return batch.advantages_B[:, None].expand_as(batch.mask_BL)
+
+
+def _add(totals: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    for k, v in values.items():
+        totals[k] = totals.get(k, 0) + v.detach().float().cpu()
 
 
 def _all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -49,6 +49,10 @@ class MissingBehaviourLogprobs(ValueError):
 class PolicyLoss(Protocol):
     needs_global_pass: bool
     """True: `prepare` must see the log-ratios of the whole optimizer batch before any backward."""
+    keep_mask_aux: bool
+    """True: `prepare`'s result is a keep mask, and a kept token's gradient is that of r A / N
+    whatever else is kept; so the backward may run under another mask and be corrected afterwards,
+    token by token (`Learner.update`)."""
 
     def prepare(
         self,
@@ -350,6 +354,7 @@ class _NoGlobalPass:
     """For losses that need nothing global before the backward passes: `prepare` is a no-op."""
 
     needs_global_pass = False
+    keep_mask_aux = False
 
     def prepare(
         self,
@@ -414,6 +419,7 @@ class M2PO:
 
     cfg: M2POLoss
     needs_global_pass = True
+    keep_mask_aux = True
 
     def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None):
         """keep_BT (bool: valid and not masked, this rank's rows) and global metrics."""
@@ -426,6 +432,7 @@ class M2PO:
             "m2po/m2_after": m2_after,
             "m2po/num_masked": num_masked,
             "m2po/num_trust_region": tr.num,
+            "m2po/threshold": threshold,
         }
         return valid_BT & (z_BT <= threshold), metrics
 
@@ -454,6 +461,7 @@ class M2POCap:
     """
 
     cfg: M2POCapLoss
+    keep_mask_aux = False  # `prepare` gives the cap, and a capped token keeps its value
 
     @property
     def needs_global_pass(self) -> bool:

@@ -89,3 +89,65 @@ def test_hf_export_reloads_in_transformers(tmp_path):
         source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(tokens).logits
     assert torch.equal(ours, theirs)
     assert not torch.allclose(source, theirs), "the export still holds the source weights"
+
+
+UPDATE_WORKER = Path(__file__).with_name("dist_update_worker.py")
+
+
+def run_update_worker(out: Path, nproc: int) -> list[dict]:
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    launch = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    )
+    done = subprocess.run(
+        [*launch, str(UPDATE_WORKER), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(nproc)]
+
+
+def assert_correct_after_equals_score_first(results: dict) -> None:
+    """`correct_after` (mask from the training forwards, then a correction) gives the weights and
+    metrics of `score_first` (mask from a no-grad pass first) after one and two updates; the
+    gradients (after the clip) to float32 rounding."""
+    reference = results["score_first"]
+    for name in ("correct_after", "correct_after z0=0.05"):
+        for step, (ref, got) in enumerate(zip(reference, results[name], strict=True)):
+            where = f"{name}, update {step + 1}"
+            # Update 2 starts from weights equal to 1e-4 (below), so its log-ratios agree less closely.
+            rel = 1e-5 if step == 0 else 1e-3
+            assert got["metrics"]["m2po/correction_frac"] > 0, f"{where}: nothing corrected, a weak test"
+            assert ref["metrics"]["m2po/num_masked"] > 0, f"{where}: nothing masked, a weak test"
+            assert ref["metrics"]["optim/grad_norm"] > 0.05, f"{where}: the gradient clip did not act"
+            assert got["metrics"].keys() == ref["metrics"].keys(), where
+            for key, value in ref["metrics"].items():
+                if key != "m2po/correction_frac":
+                    assert got["metrics"][key] == pytest.approx(value, rel=rel, abs=1e-7), f"{where}: {key}"
+            for key, value in ref["grad"].items():
+                scale = float(value.abs().max())
+                assert torch.allclose(got["grad"][key], value, rtol=0, atol=rel * scale), f"{where}: {key}"
+            # Adam's first steps are about lr * sign(gradient): rounding in a near-zero gradient
+            # entry moves that weight by up to a few percent of lr.
+            for key, value in ref["state"].items():
+                assert torch.allclose(got["state"][key], value, rtol=0, atol=1e-4), f"{where}: {key}"
+
+
+def test_correct_after_equals_score_first(tmp_path):
+    (results,) = run_update_worker(tmp_path / "one", 1)
+    assert_correct_after_equals_score_first(results)
+
+
+@pytest.mark.slow
+def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path):
+    rank0, rank1 = run_update_worker(tmp_path / "two", 2)
+    assert_correct_after_equals_score_first(rank0)
+    for name, steps in rank0.items():
+        for mine, theirs in zip(steps, rank1[name], strict=True):
+            assert mine["metrics"] == theirs["metrics"], name
+            assert all(torch.equal(v, theirs["state"][k]) for k, v in mine["state"].items()), name
