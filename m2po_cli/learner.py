@@ -41,14 +41,10 @@ from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
 from m2po_cli.logprobs import install_head, score_request
-from m2po_cli.loss import PolicyLoss, ratio_quantiles, toward_advantage
+from m2po_cli.loss import PolicyLoss, ratio_quantiles
+from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.rollout import resolve_dtype
 from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
-
-# `correct_after`'s first forwards also drop tokens with A > 0 and log r above this: so large a ratio
-# is masked in practice, and a kept one would enter the gradient with weight r only to cancel, to
-# rounding, against the correction (tokens with A < 0 that could be masked have r < 1).
-PROVISIONAL_MAX_LOG_RATIO = 4.0
 
 
 def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
@@ -145,7 +141,7 @@ class Learner:
         self.version = 0  # optimizer updates applied
         # How `update` gets a global keep mask (`m2po`): "auto", "score_first" or "correct_after".
         self.global_pass = "auto"
-        self._provisional_z = math.inf  # the previous update's mask threshold
+        self._provisional_z = math.inf  # the previous update's mask threshold (`mask_correction`)
         self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
 
     def _build(self, model_dir: Path) -> torch.nn.Module:
@@ -287,7 +283,7 @@ class Learner:
             )
             metrics.update(global_metrics)
             if loss_fn.keep_mask_aux:  # what `correct_after` would have cost, for `auto`
-                metrics["m2po/correction_frac"] = self._correction(batch, log_ratio_BL, aux_BL, None, 0)
+                metrics["m2po/correction_frac"] = self._correct(batch, log_ratio_BL, aux_BL, None, 0)
                 self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
@@ -310,17 +306,9 @@ class Learner:
     def _update_correct_after(
         self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The global mask without a pass of its own: the weights do not change within an update, so
-        the training forwards' logprobs are the ones the mask needs.
-
-        1. Each micro-batch's forward and backward under a provisional mask (`_provisional_keep`):
-           the previous update's threshold on z = log r * sign(A), and no huge ratio.
-        2. The exact mask by `prepare` over the whole batch, from the logprobs those forwards saw.
-        3. `_correction`: a forward and backward over the rows where the two masks differ, cut after
-           each row's last such token (later tokens cannot change earlier logprobs), adding the
-           gradient of the tokens the mask keeps that step 1 dropped and taking out the others'.
-        Metrics come from the saved logprobs and the exact mask, as `score_first` gives them.
-        """
+        """The global mask from the training forwards' own logprobs (`mask_correction`): forwards and
+        backwards under the provisional mask, the exact mask by `prepare`, then `_correct`. Metrics
+        come from the saved logprobs and the exact mask, as `score_first` gives them."""
         provisional_BL = torch.zeros_like(batch.mask_BL, dtype=torch.bool)
         current_BL = torch.zeros_like(batch.mask_BL)
         for index in self.micro_batches(batch):
@@ -340,32 +328,21 @@ class Learner:
         keep_BL, metrics = loss_fn.prepare(
             log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
         )
-        metrics["m2po/correction_frac"] = self._correction(
+        metrics["m2po/correction_frac"] = self._correct(
             batch, log_ratio_BL, keep_BL, provisional_BL, num_tokens
         )
         self._provisional_z = float(metrics["m2po/threshold"])
         with torch.no_grad():
-            loss, m = loss_fn(
-                current_BL,
-                batch.behaviour_logprobs_BL,
-                _advantages_BL(batch),
-                batch.mask_BL,
-                keep_BL,
-                num_tokens,
-            )
+            args = (batch.behaviour_logprobs_BL, _advantages_BL(batch), batch.mask_BL, keep_BL, num_tokens)
+            loss, m = loss_fn(current_BL, *args)
         return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
 
     def _provisional_keep(self, log_ratio_BL: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Valid tokens whose z = log r * sign(A) (as `prepare` forms it) is at most the previous
-        update's threshold, and at most PROVISIONAL_MAX_LOG_RATIO where A > 0."""
-        valid_BL, advantages_BL = batch.mask_BL.bool(), _advantages_BL(batch)
-        z_BL = toward_advantage(torch.where(valid_BL, log_ratio_BL.float(), 0.0), advantages_BL)
-        limit_BL = torch.where(
-            advantages_BL > 0, min(self._provisional_z, PROVISIONAL_MAX_LOG_RATIO), self._provisional_z
+        return provisional_keep(
+            log_ratio_BL, _advantages_BL(batch), batch.mask_BL.bool(), self._provisional_z
         )
-        return valid_BL & (z_BL <= limit_BL)
 
-    def _correction(
+    def _correct(
         self,
         batch: Batch,
         log_ratio_BL: torch.Tensor,
@@ -373,44 +350,33 @@ class Learner:
         provisional_BL: torch.Tensor | None,
         num_tokens: int,
     ) -> torch.Tensor:
-        """Accumulate -(1/N) sum (keep - provisional) r A log pi over the tokens where the masks differ
-        (r, A from the first forward, held constant), so the gradient becomes the exact mask's; returns
-        the tokens the correction's forwards ran over, as a share of the batch's, over all ranks.
+        """Accumulate the correction's gradient (`mask_correction`) over the rows where `keep_BL` and
+        `provisional_BL` differ; return its share of the tokens at the rank where it is largest.
 
-        `provisional_BL` None: nothing runs, the share is what the correction would have cost.
+        `provisional_BL` None: nothing runs; the share is what a correction would have cost.
         A collective: every rank runs as many correction micro-batches as the busiest one.
         """
         run = provisional_BL is not None
         if not run:
             provisional_BL = self._provisional_keep(log_ratio_BL, batch)
-        change_BL = keep_BL.float() - provisional_BL.float()
-        rows_K = change_BL.any(dim=1).nonzero()[:, 0]
-        cut_K = (change_BL[rows_K] != 0).cumsum(1).argmax(1) + 1  # after each row's last change
-        share = torch.tensor([float(cut_K.sum()), float(batch.lengths_B.sum())], dtype=torch.float64)
-        dist.all_reduce(share)
-        frac = share[0] / share[1].clamp(min=1)
-        self._correction_frac = float(frac)
+        rows_K, cut_K, change_BL = correction_rows(keep_BL, provisional_BL)
+        share = torch.tensor([float(cut_K.sum()) / max(int(batch.lengths_B.sum()), 1)], dtype=torch.float64)
+        dist.all_reduce(share, op=dist.ReduceOp.MAX)
+        self._correction_frac = float(share)
         if not run:
-            return frac
-        # The first forward's weight of each changed token: r A / N, held constant.
-        weight_BL = torch.where(
-            change_BL != 0, change_BL * log_ratio_BL.exp() * _advantages_BL(batch) / max(num_tokens, 1), 0.0
-        )
-        fix = Batch(
-            batch.tokens_BL[rows_K],
-            (change_BL[rows_K] != 0).float(),
-            weight_BL[rows_K],
-            batch.advantages_B[rows_K],
-            cut_K,
-        )
+            return share[0]
+        weight_KL = correction_weights(change_BL, log_ratio_BL, _advantages_BL(batch), num_tokens)[rows_K]
+        mask_KL = (change_BL[rows_K] != 0).float()  # only the changed tokens are scored
+        fix = Batch(batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K)
         for index in self.micro_batches(fix):
             if not index.numel():
                 self._idle_backward()
                 continue
             part = fix.take(index)
             lp, _ = self.forward_logprobs(part)
-            (-(lp * part.behaviour_logprobs_BL.to(self.device)).sum()).backward()
-        return frac
+            weight = weight_KL[index, : lp.shape[1]].to(self.device)
+            (-(lp * weight).sum()).backward()
+        return share[0]
 
     def _loss(self, loss_fn, lp, part, aux, num_tokens):
         return loss_fn(
@@ -520,11 +486,16 @@ class Learner:
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
 
     def extra_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "version": self.version}
+        # The mask's provisional threshold and last correction share: a resumed run takes the same
+        # way to the mask as the uninterrupted one.
+        mask = {"provisional_z": self._provisional_z, "correction_frac": self._correction_frac}
+        return {"scheduler": self.scheduler.state_dict(), "version": self.version, "global_mask": mask}
 
     def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
+        self._provisional_z = state["global_mask"]["provisional_z"]
+        self._correction_frac = state["global_mask"]["correction_frac"]
 
 
 def export_dtype(choice: str) -> str:
