@@ -4,7 +4,8 @@ Every rank builds the same 9-row batch and keeps its own rows (2 ranks: 6 and 3,
 behaviour logprobs are the learner's own, perturbed by noise that depends on the row and position
 only, plus one large outlier a row, so M2PO masks. For each case (a `global_pass`, and for
 `correct_after` the provisional threshold the first update starts from) a fresh learner runs two
-updates; each rank writes the clipped gradient and full weights of each update and the metrics to OUT/rank<r>.pt.
+updates; each rank writes the clipped gradient and full weights of each update, the tokens its
+forwards ran over, and the metrics to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
-CASES = {"score_first": None, "correct_after": None, "correct_after z0=0.05": 0.05}
+CASES = {"score_first": None, "correct_after": None, "correct_after z0=0.05": 0.05, "auto z0=0.05": 0.05}
 
 
 def whole_batch(vocab: int) -> tuple[Batch, torch.Tensor]:
@@ -68,10 +69,15 @@ def main(out: Path) -> None:
                 {k: p.grad.full_tensor() for k, p in m.named_parameters()}
             )
         )
+        forwarded = [0]  # tokens through the model's forwards, padding included
+        learner.model.register_forward_pre_hook(
+            lambda _, args, n=forwarded: n.append(n.pop() + args[0].numel())
+        )
         for _ in range(2):
+            forwarded[0] = 0
             metrics = learner.update(batch, loss_fn, int(num_tokens))
             full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
-            steps.append({"metrics": metrics, "state": full, "grad": grads[-1]})
+            steps.append({"metrics": metrics, "state": full, "grad": grads[-1], "forwarded": forwarded[0]})
         results[name] = steps
     torch.save(results, out / f"rank{learner.rank}.pt")
 

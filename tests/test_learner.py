@@ -117,12 +117,15 @@ def assert_correct_after_equals_score_first(results: dict) -> None:
     metrics of `score_first` (mask from a no-grad pass first) after one and two updates; the
     gradients (after the clip) to float32 rounding."""
     reference = results["score_first"]
-    for name in ("correct_after", "correct_after z0=0.05"):
+    for name in ("correct_after", "correct_after z0=0.05", "auto z0=0.05"):
         for step, (ref, got) in enumerate(zip(reference, results[name], strict=True)):
             where = f"{name}, update {step + 1}"
             # Update 2 starts from weights equal to 1e-4 (below), so its log-ratios agree less closely.
             rel = 1e-5 if step == 0 else 1e-3
-            assert got["metrics"]["m2po/correction_frac"] > 0, f"{where}: nothing corrected, a weak test"
+            if name.startswith("correct_after"):
+                assert got["metrics"]["m2po/correction_frac"] > 0, f"{where}: nothing corrected, a weak test"
+            if name == "correct_after":  # no no-grad pass: fewer tokens through the model
+                assert got["forwarded"] < ref["forwarded"], where
             assert ref["metrics"]["m2po/num_masked"] > 0, f"{where}: nothing masked, a weak test"
             assert ref["metrics"]["optim/grad_norm"] > 0.05, f"{where}: the gradient clip did not act"
             assert got["metrics"].keys() == ref["metrics"].keys(), where
@@ -138,15 +141,26 @@ def assert_correct_after_equals_score_first(results: dict) -> None:
                 assert torch.allclose(got["state"][key], value, rtol=0, atol=1e-4), f"{where}: {key}"
 
 
+def assert_auto_bounds_the_correction(results: dict) -> None:
+    """`auto`: a correction over more than a third of the tokens (here the provisional threshold
+    0.05 makes most tokens change) costs more than the no-grad pass, so the next update scores first."""
+    first, second = results["auto z0=0.05"]
+    assert first["metrics"]["m2po/correction_frac"] > 1 / 3
+    assert first["forwarded"] == results["correct_after z0=0.05"][0]["forwarded"]
+    assert second["forwarded"] == results["score_first"][1]["forwarded"]
+
+
 def test_correct_after_equals_score_first(tmp_path):
     (results,) = run_update_worker(tmp_path / "one", 1)
     assert_correct_after_equals_score_first(results)
+    assert_auto_bounds_the_correction(results)
 
 
 @pytest.mark.slow
 def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path):
     rank0, rank1 = run_update_worker(tmp_path / "two", 2)
     assert_correct_after_equals_score_first(rank0)
+    assert_auto_bounds_the_correction(rank0)
     for name, steps in rank0.items():
         for mine, theirs in zip(steps, rank1[name], strict=True):
             assert mine["metrics"] == theirs["metrics"], name
