@@ -48,7 +48,9 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     ]
     cmd = [sys.executable, "-m", "m2po_cli", "train", str(recipe), *(a for s in sets for a in ("--set", s))]
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, capture_output=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{mode} run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     wall = time.perf_counter() - t0
     every = [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
     fifth = max(1, len(every) // 5)
