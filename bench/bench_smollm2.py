@@ -16,10 +16,13 @@ steps is printed too; it exits 1 unless the last fifth beats the first by `--mar
 The machine's load average is printed before and after: on a shared machine every phase slows down
 alike, so compare ratios, not seconds.
 
-At the 8B recipe's sizes nothing here changes the data or weight path; the recipe only chooses
-sizes. Its CPU step costs, per step: 8 prompts x 8 samples x (~45 prompt + <= 48 response tokens),
-about 6k tokens through a 135M-parameter model for each of the learner's passes (behaviour-version
-sample, M2PO's global pass, forward+backward), and one 0.54 GB fp32 weight push.
+What a step of this recipe costs: 4 prompts x 8 samples x (~55 prompt + ~15 response tokens), about
+2.2k tokens through a 134.5M-parameter model (~0.27 GFLOP per token forward) in each of the
+learner's passes: M2PO's global pass (forward), the update (forward + backward, ~3x), and a 4-row
+sample at the behaviour version; about 2.4 TFLOP a step, so a 2-core AVX2 CPU (~50-100 GFLOP/s
+in fp32) spends most of a step in the learner. Generation is ~500 tokens a step; one 0.54 GB fp32
+weight push. The prompt is ~80% of the learner's tokens and is recomputed for each of the 8
+samples of a group. At the 8B recipe's sizes nothing here changes the data or weight path.
 """
 
 from __future__ import annotations
@@ -108,9 +111,8 @@ def report(metrics: list[dict], raw_S: list[float], updates_per_step: int) -> No
             per_step *= updates_per_step
         print(f"{phase:<24}{per_step:9.2f}{per_step / raw:11.2f}")
     tokens = statistics.mean(m["rollout/response_tokens_mean"] for m in steady)
-    print(
-        f"response tokens, mean {tokens:.1f}; truncated {statistics.mean(m['rollout/truncated_frac'] for m in steady):.2f}"
-    )
+    truncated = statistics.mean(m["rollout/truncated_frac"] for m in steady)
+    print(f"response tokens, mean {tokens:.1f}; truncated {truncated:.2f}")
 
 
 def fifths(metrics: list[dict]) -> tuple[float, float, int]:
