@@ -200,3 +200,22 @@ def test_smollm2_conversion_loads_tied():
         out = model.generate(**ids, do_sample=False, max_new_tokens=12)
     reply = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in reply, reply
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_prompts_are_short_and_fit():
+    """The CPU recipe's cost is mostly prompt tokens (the learner recomputes them for every sample):
+    every prompt fits `max_prompt_tokens` (none is dropped) and stays that short."""
+    from m2po_cli.config import load_recipe
+    from m2po_cli.data import PromptBatches, load_problems
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "smollm2-135m-cpu.toml")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.model.path))
+    batches = PromptBatches(
+        load_problems(recipe.data), tokenizer, recipe.data, recipe.rollout.prompts_per_step
+    )
+    prompts = [p for _ in range(recipe.run.steps + recipe.queue_batches) for p in next(batches)]
+    assert batches.num_dropped == 0
+    assert max(len(p.token_ids) for p in prompts) <= recipe.data.max_prompt_tokens <= 80
+    text = tokenizer.decode(prompts[0].token_ids)
+    assert f"Find the sum {prompts[0].problem.problem}." in text and "\\boxed{<sum>}" in text
