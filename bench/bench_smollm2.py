@@ -18,9 +18,10 @@ alike, so compare ratios, not seconds.
 
 What a step of this recipe costs: 4 prompts x 8 samples x (~55 prompt + ~15 response tokens), about
 2.2k tokens through a 134.5M-parameter model (~0.27 GFLOP per token forward) in each of the
-learner's passes: M2PO's global pass (forward), the update (forward + backward, ~3x), and a 4-row
-sample at the behaviour version; about 2.4 TFLOP a step, so a 2-core AVX2 CPU (~50-100 GFLOP/s
-in fp32) spends most of a step in the learner. Generation is ~500 tokens a step; one 0.54 GB fp32
+learner's passes: the update (forward + backward, ~3 forwards), M2PO's global mask (a no-grad
+forward first, or a correction after the training forwards, whichever `learner.update` judges
+cheaper) and a 4-row sample at the behaviour version; about 2-2.4 TFLOP a step, so a 2-core AVX2
+CPU (~50-100 GFLOP/s in fp32) spends most of a step in the learner. Generation is ~500 tokens a step; one 0.54 GB fp32
 weight push. The prompt is ~80% of the learner's tokens and is recomputed for each of the 8
 samples of a group. At the 8B recipe's sizes nothing here changes the data or weight path.
 """
