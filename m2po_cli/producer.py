@@ -33,6 +33,7 @@ from m2po_cli.rollout import Completion
 from m2po_cli.server import EngineError, EngineServer, Load, parse_completions, sampling_body, swap_weights
 
 Ticket = tuple[int, Prompt]  # (data epoch, prompt)
+MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops
 
 
 @dataclass
@@ -72,7 +73,7 @@ class RolloutProducer:
         self.admitted = version * prompts_per_update + len(self.resubmit)
         self.sync_epoch, self.syncing, self.stopping = 0, False, False
         self.error: BaseException | None = None
-        self._next_key = self._next_seq = 0
+        self._next_key = self._next_seq = self._failures = 0
         self._urls = cycle([s.url for s in servers])
         # Counters since the last `take_metrics()`.
         self._t_metrics = time.perf_counter()
@@ -203,12 +204,28 @@ class RolloutProducer:
             completions = parse_completions(response.json()) if response.status_code == 200 else None
             if completions is None and sync == self.sync_epoch:
                 raise EngineError(f"{url}/v1/completions: HTTP {response.status_code}: {response.text[:300]}")
-        except (httpx.TransportError, EngineError) as e:
+        except EngineError as e:
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
             return
+        except httpx.TransportError as e:
+            # A kept-alive connection the server has just closed (it drops idle ones after a few
+            # seconds) fails a request without an answer: send it again. Only a run of failures
+            # (a dead or unreachable server) stops the run.
+            with self.cond:
+                self._failures += 1
+                if self._failures > MAX_FAILURES:
+                    self.error = EngineError(
+                        f"{url}/v1/completions: {self._failures} requests in a row got no answer "
+                        f"(last: {type(e).__name__}: {e})"
+                    )
+                    self.cond.notify_all()
+                    return
+            completions = None
         with self.cond:
+            if completions is not None:
+                self._failures = 0
             del self.running[key]
             if not self.running and self._busy_since is not None:
                 self._busy_s += time.perf_counter() - self._busy_since
