@@ -195,11 +195,14 @@ def test_micro_batches_cover_every_row_once_within_budget():
         assert flat == sorted(flat, reverse=True), "rows of similar length share a micro-batch"
 
 
-def test_update_does_not_depend_on_micro_batching(learner):
+@pytest.mark.parametrize("global_pass", ["score_first", "correct_after"])
+def test_update_does_not_depend_on_micro_batching(learner, global_pass):
     """Token budget or sequence count: the same token-mean loss, so the same update."""
     pack, *_ = random_pack(5, num_prompts=4, n=4, vocab=learner.arch.hf_config["vocab_size"])
     rows = pack.to_batch(torch.arange(pack.num_rows))
     start = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    schedule = learner.scheduler.state_dict()
+    learner.global_pass = global_pass
     full = lambda: {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}  # noqa: E731
     loss_fn = build_loss(learner.recipe.loss)
     num_tokens = int(rows.mask_BL.sum())
@@ -210,10 +213,16 @@ def test_update_does_not_depend_on_micro_batching(learner):
             update={"train": learner.recipe.train.model_copy(update=train)}
         )
         learner.optimizer.state.clear()
+        learner.scheduler.load_state_dict(schedule)  # the same learning rate for both
+        for group, lr in zip(learner.optimizer.param_groups, schedule["_last_lr"], strict=True):
+            group["lr"] = lr
+        learner._provisional_z = -2.0  # the same provisional mask, one that needs correcting
         metrics = learner.update(rows, loss_fn, num_tokens)
         results.append((metrics, full()))
     (m_one, w_one), (m_many, w_many) = results
     assert m_one["loss/num_tokens"] == m_many["loss/num_tokens"] == num_tokens
+    if global_pass == "correct_after":
+        assert m_one["m2po/correction_frac"] > 0, "the correction ran"
     assert m_one["loss/loss"] == pytest.approx(m_many["loss/loss"], abs=1e-6)
     assert m_one["optim/grad_norm"] == pytest.approx(m_many["optim/grad_norm"], rel=1e-5)
     for name, w in w_one.items():
