@@ -1,11 +1,13 @@
 """Separate mode against colocated mode: same recipe, same number of optimizer updates, one run each.
 
-Runs `m2po train` twice in fresh processes on the quickstart task: colocated (fixed staleness s)
-and separate (bounded staleness, max_staleness = s), and prints for each the whole wall time (engine
-start included), the steady-state time per step (steps after the first), samples per second, the
-learner's idle fraction (colocated: the share of each step spent generating; separate: the share spent
-waiting for rollouts) and the reward gain (mean of the last fifth of steps minus the first fifth),
-then the separate / colocated ratios.
+Runs `m2po train` in fresh processes on the quickstart task: colocated (fixed staleness s) and
+separate (bounded staleness, max_staleness = s), once per seed, alternating modes. Prints for each
+run the whole wall time (engine start included), the steady-state time per step (steps after the
+first), samples per second, the learner's idle fraction (colocated: the share of each step spent
+generating; separate: the share spent waiting for rollouts) and the reward gain (mean of the last
+fifth of steps minus the first fifth); then, over the seeds, each mode's mean and the separate /
+colocated ratios. The reward gain of one run varies by several hundredths from seed to seed (and a
+separate-mode run is not repeatable: timing decides which version samples what), so compare means.
 
 On a CPU both sides share the same cores, so running them at once cannot shorten the total work;
 the figure to expect there is a ratio near 1 (or worse, from the contention and the aborted
@@ -16,13 +18,14 @@ Weight traffic at the 8B recipe's size (8.2e9 parameters in bf16): 16.4 GB writt
 per sync, at most one full parameter (the 151,936 x 4,096 embedding, 1.2 GB) held beyond a rank's
 shard.
 
-    .venv/bin/python bench/bench_separate.py [--steps 20] [--prompts 16] [--staleness 4]
+    .venv/bin/python bench/bench_separate.py [--steps 20] [--prompts 16] [--staleness 4] [--seeds 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,11 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
+def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     recipe = ROOT / "recipes" / ("quickstart-separate.toml" if mode == "separate" else "quickstart.toml")
     sets = [
         f'run.output_dir="{out}"',
-        f'run.name="{mode}"',
+        f'run.name="{mode}-{seed}"',
+        f"run.seed={seed}",
         f"run.steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         "checkpoint.every=0",
@@ -52,7 +56,7 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     if done.returncode:
         sys.exit(f"{mode} run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     wall = time.perf_counter() - t0
-    every = [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
+    every = [json.loads(line) for line in (out / f"{mode}-{seed}" / "metrics.jsonl").read_text().splitlines()]
     fifth = max(1, len(every) // 5)
     rewards = [m["rollout/reward_mean"] for m in every]
     reward_gain = sum(rewards[-fifth:]) / fifth - sum(rewards[:fifth]) / fifth
@@ -72,26 +76,41 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> dict[str, float]:
     }
 
 
+HEADER = (
+    f"{'':14s} {'wall s':>8s} {'s/step':>8s} {'samples/s':>10s} {'learner idle':>13s} {'reward gain':>12s}"
+)
+
+
+def line(label: str, r: dict[str, float]) -> str:
+    return (
+        f"{label:14s} {r['wall_s']:8.1f} {r['step_s']:8.2f} {r['samples_per_s']:10.1f} "
+        f"{100 * r['learner_idle']:12.0f}% {r['reward_gain']:+12.3f}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--seeds", type=int, default=1, help="runs per mode (seeds 0, 1, ...)")
     args = p.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"colocated": [], "separate": []}
+    print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="m2po-bench-separate-") as tmp:
-        results = {mode: run(mode, args, Path(tmp)) for mode in ("colocated", "separate")}
-    print(
-        f"{'':10s} {'wall s':>8s} {'s/step':>8s} {'samples/s':>10s} {'learner idle':>13s} {'reward gain':>12s}"
-    )
-    for mode, r in results.items():
-        print(
-            f"{mode:10s} {r['wall_s']:8.1f} {r['step_s']:8.2f} {r['samples_per_s']:10.1f} "
-            f"{100 * r['learner_idle']:12.0f}% {r['reward_gain']:+12.3f}"
-        )
-    c, s = results["colocated"], results["separate"]
+        for seed in range(args.seeds):
+            for mode, results in runs.items():
+                results.append(run(mode, seed, args, Path(tmp)))
+                print(line(f"{mode} {seed}", results[-1]), flush=True)
+    mean = {mode: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+    print(f"mean over {args.seeds} seed(s):")
+    for mode, r in mean.items():
+        print(line(mode, r))
+    c, s = mean["colocated"], mean["separate"]
     print(
         f"separate / colocated: wall {s['wall_s'] / c['wall_s']:.2f}x, time per step "
-        f"{s['step_s'] / c['step_s']:.2f}x, samples/s {s['samples_per_s'] / c['samples_per_s']:.2f}x "
+        f"{s['step_s'] / c['step_s']:.2f}x, samples/s {s['samples_per_s'] / c['samples_per_s']:.2f}x, "
+        f"reward gain {s['reward_gain'] - c['reward_gain']:+.3f} "
         f"({args.steps} steps, {args.prompts} prompts x 8 samples, staleness {args.staleness})"
     )
 
