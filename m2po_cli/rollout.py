@@ -200,7 +200,7 @@ class VLLMEngine:
         """
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        stamped = self.llm.collective_rpc("m2po_reload", kwargs={"weights": weights, "version": version})
+        stamped = self.llm.collective_rpc("m2po_push", kwargs={"weights": weights, "version": version})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from m2po_cli.engine_weights import load_in_place
+
 
 class WeightSync:
     """Weight updates in place, called through `LLM.collective_rpc("m2po_reload", ...)`."""
@@ -29,6 +31,17 @@ class WeightSync:
             # outputs would change, wrongly and silently. Re-derive the lm_head from the new weight.
             lm_head = model.lm_head
             lm_head.quant_method.process_weights_after_loading(lm_head)
+        self.m2po_weight_version = version
+        return version
+
+    def m2po_push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """The in-process push: on CPU, straight into the engine's storage (`engine_weights`); on a
+        GPU, vLLM's layerwise reload (no repacking there). Stamps and returns the version."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return self.m2po_reload(weights, version)
+        load_in_place(self.model_runner.get_model(), weights)
         self.m2po_weight_version = version
         return version
 
