@@ -41,6 +41,7 @@ class WeightSync:
 
         if not current_platform.is_cpu():
             return self.m2po_reload(weights, version)
+        self.m2po_weight_version = -1  # until every tensor is in: a failed push leaves no version
         load_in_place(self.model_runner.get_model(), weights)
         self.m2po_weight_version = version
         return version
@@ -51,7 +52,8 @@ class WeightSync:
         return self.m2po_reload(_safetensors_items(Path(model_dir)), version)
 
     def m2po_version(self) -> int:
-        """The version stamped by the last completed reload (0: the weights the engine started with)."""
+        """The version stamped by the last completed reload (0: the weights the engine started with;
+        -1: a push that failed part-way)."""
         return self.m2po_weight_version
 
     def m2po_seed(self, seed: int) -> None:

@@ -90,3 +90,39 @@ def test_push_makes_engine_match_learner(model, tmp_path):
             assert len(engine.generate(probe[:1], seed=1)[0]) == recipe.rollout.n
     finally:
         engine.close()
+
+
+def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
+    """The in-place push agrees with vLLM's own reload, also right after one, and refuses a push that
+    leaves a layer or a parameter without new weights."""
+    from m2po_cli.vllm_worker import _safetensors_items
+
+    recipe = recipe_for(tmp_path, 'model.path="builtin:tiny-qwen3"')
+    model_dir = resolve_model("builtin:tiny-qwen3")
+    start = list(_safetensors_items(model_dir))
+    gen = torch.Generator().manual_seed(0)
+    moved = [(name, t + 0.05 * torch.randn(t.shape, generator=gen)) for name, t in start]
+    engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)
+    probe = [list(range(3, 40)), list(range(20, 45))]
+
+    def gap(a, b):
+        return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+    try:
+        at_start = engine.prompt_logprobs(probe)
+        engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(moved), "version": 1})
+        engine.llm.reset_prefix_cache()
+        reloaded = engine.prompt_logprobs(probe)
+        assert gap(at_start, reloaded) > 1e-2, "the moved weights must change the probe"
+        engine.push_weights(iter(start), 2)
+        assert gap(engine.prompt_logprobs(probe), at_start) < 1e-5
+        engine.push_weights(iter(moved), 3)
+        assert gap(engine.prompt_logprobs(probe), reloaded) < 1e-5
+        for dropped, message in [("k_proj", "qkv_proj"), ("post_attention_layernorm", "did not carry")]:
+            partial = [(n, t) for n, t in start if not n.startswith("model.layers.1.") or dropped not in n]
+            with pytest.raises(RuntimeError, match=message):
+                engine.push_weights(iter(partial), 4)
+            with pytest.raises(RuntimeError, match="skipped"):  # half-loaded: no version holds
+                engine.require_version(3)
+    finally:
+        engine.close()
