@@ -11,11 +11,11 @@ and tensor-parallel slices included) and:
 - a plain parameter (norms, embedding, biases) is overwritten where it lives;
 - a packed linear whose tensor arrives whole (`o_proj`, `down_proj` without tensor parallelism) is
   packed straight from the incoming tensor: no staging copy;
-- a fused or sliced linear is assembled in a staging buffer (kept per shape and reused, so a push
-  never faults in fresh pages for it; the learner sends a layer's shards together, so one or two
-  buffers exist) and packed once its last shard is in;
-- the output layer's handle is rebuilt from the (possibly tied) weight; the embedding's own handle,
-  which no forward pass uses, is dropped rather than kept stale.
+- a fused or sliced linear is assembled in a staging buffer and packed once its last shard is in;
+  the buffer then serves the next layer of that shape (the learner sends a layer's shards together,
+  so a push holds one or two such buffers and faults in fresh pages only for the first of each);
+- the output layer's handle is rebuilt from the (possibly tied) weight; the input embedding's own
+  handle, which its lookups never use, is dropped rather than kept stale.
 Each packed layer gets exactly one new handle per push; the old one is released before the new one
 is built, so at most one layer is held twice.
 """
@@ -125,7 +125,7 @@ def load_in_place(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]])
     if unloaded:
         raise RuntimeError(f"weight push: parameters the push did not carry: {unloaded[:5]}")
     for module in model.modules():
-        if isinstance(module, ParallelLMHead):
+        if isinstance(module, ParallelLMHead) or module is getattr(model, "lm_head", None):
             module.quant_method.process_weights_after_loading(module)  # the logits read its handle
         elif isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             del module.cpu_linear  # lookups read the weight; a stale matmul handle would only mislead
