@@ -287,12 +287,7 @@ class Learner:
                 self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
-        for index in self.micro_batches(batch):
-            if not index.numel():
-                self._idle_backward()
-                continue
-            part = batch.take(index)
-            lp, _ = self.forward_logprobs(part)
+        for index, part, lp in self._forwards(batch):
             length = part.tokens_BL.shape[1]
             seen_log_ratio_BL[index, :length] = (
                 lp.detach().cpu() - part.behaviour_logprobs_BL
@@ -311,12 +306,7 @@ class Learner:
         come from the saved logprobs and the exact mask, as `score_first` gives them."""
         provisional_BL = torch.zeros_like(batch.mask_BL, dtype=torch.bool)
         current_BL = torch.zeros_like(batch.mask_BL)
-        for index in self.micro_batches(batch):
-            if not index.numel():
-                self._idle_backward()
-                continue
-            part = batch.take(index)
-            lp, _ = self.forward_logprobs(part)
+        for index, part, lp in self._forwards(batch):
             length = part.tokens_BL.shape[1]
             current_BL[index, :length] = lp.detach().cpu()
             log_ratio_BL = (current_BL[index, :length] - part.behaviour_logprobs_BL) * part.mask_BL
@@ -368,12 +358,7 @@ class Learner:
         weight_KL = correction_weights(change_BL, log_ratio_BL, _advantages_BL(batch), num_tokens)[rows_K]
         mask_KL = (change_BL[rows_K] != 0).float()  # only the changed tokens are scored
         fix = Batch(batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K)
-        for index in self.micro_batches(fix):
-            if not index.numel():
-                self._idle_backward()
-                continue
-            part = fix.take(index)
-            lp, _ = self.forward_logprobs(part)
+        for index, _, lp in self._forwards(fix):
             weight = weight_KL[index, : lp.shape[1]].to(self.device)
             (-(lp * weight).sum()).backward()
         return share[0]
@@ -387,6 +372,17 @@ class Learner:
             aux,
             num_tokens,
         )
+
+    def _forwards(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor]]:
+        """(row index, rows, logprobs with grad) per micro-batch; the caller runs the backward. A rank
+        with fewer micro-batches than another runs an idle forward and backward for each missing one."""
+        for index in self.micro_batches(batch):
+            if not index.numel():
+                self._idle_backward()
+                continue
+            part = batch.take(index)
+            lp, _ = self.forward_logprobs(part)
+            yield index, part, lp
 
     def _idle_backward(self) -> None:
         lp, _ = self.forward_logprobs(_IDLE)
