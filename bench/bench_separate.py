@@ -23,7 +23,7 @@ Weight traffic at the 8B recipe's size (8.2e9 parameters in bf16): 16.4 GB writt
 per sync, at most one full parameter (the 151,936 x 4,096 embedding, 1.2 GB) held beyond a rank's
 shard.
 
-    .venv/bin/python bench/bench_separate.py [--steps 20] [--prompts 16] [--staleness 4] [--seeds 1]
+    .venv/bin/python bench/bench_separate.py [--steps 20] [--prompts 16] [--staleness 4] [--seeds 1] [--first-seed 0]
 """
 
 from __future__ import annotations
@@ -99,12 +99,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--staleness", type=int, default=4)
-    p.add_argument("--seeds", type=int, default=1, help="runs per mode (seeds 0, 1, ...)")
+    p.add_argument(
+        "--seeds", type=int, default=1, help="runs per mode (seeds first-seed, first-seed + 1, ...)"
+    )
+    p.add_argument("--first-seed", type=int, default=0)
     args = p.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"colocated": [], "separate": []}
     print(HEADER, flush=True)
     with tempfile.TemporaryDirectory(prefix="m2po-bench-separate-") as tmp:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for mode, results in runs.items():
                 results.append(run(mode, seed, args, Path(tmp)))
                 print(line(f"{mode} {seed}", results[-1]), flush=True)
