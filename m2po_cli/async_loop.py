@@ -29,7 +29,15 @@ from m2po_cli.record import Recorder
 from m2po_cli.rollout import resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.server import EngineServer
-from m2po_cli.train import RunError, _max_len, _tokenizer, rollout_metrics, rows_per_update, train_on
+from m2po_cli.train import (
+    RunError,
+    _max_len,
+    _tokenizer,
+    checkpoint_due,
+    rollout_metrics,
+    rows_per_update,
+    train_on,
+)
 from m2po_cli.weight_transport import ShmWeightTransport, WeightTransport, resolve_transport
 
 TRAINED_LOG = "trained_prompts.jsonl"
@@ -93,8 +101,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
             producer.start()
         for step in range(first_step, recipe.run.steps):
             run_step(step, recipe, learner, loss_fn, producer, grader, transport, recorder, log, run_dir)
-            every = recipe.checkpoint.every
-            if (every and (step + 1) % every == 0) or step + 1 == recipe.run.steps:
+            if checkpoint_due(recipe, step):
                 loop_state = {"step": step + 1, **(producer.snapshot() if producer else {})}
                 checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep)
         if recipe.checkpoint.export_hf:

@@ -99,8 +99,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             metrics["time/step"] = time.perf_counter() - t0
             if log is not None:
                 log.log(step, metrics)
-            every = recipe.checkpoint.every
-            if (every and (step + 1) % every == 0) or step + 1 == recipe.run.steps:
+            if checkpoint_due(recipe, step):
                 loop_state = {"step": step + 1, "data": prompts.state_dict()}
                 checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, queue)
         if recipe.checkpoint.export_hf:
@@ -110,6 +109,12 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     if log is not None:
         log.message(log.summary())
     return run_dir
+
+
+def checkpoint_due(recipe: Recipe, step: int) -> bool:
+    """Whether the loop saves a checkpoint after `step`: every `checkpoint.every` steps, and the last."""
+    every = recipe.checkpoint.every
+    return bool(every and (step + 1) % every == 0) or step + 1 == recipe.run.steps
 
 
 def grader_workers() -> int:
