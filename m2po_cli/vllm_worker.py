@@ -17,13 +17,16 @@ from m2po_cli.engine_weights import load_in_place
 
 
 class WeightSync:
-    """Weight updates in place, called through `LLM.collective_rpc("m2po_reload", ...)`."""
+    """Weight updates in place, called through `LLM.collective_rpc("m2po_push" | "m2po_reload", ...)`.
+
+    While tensors are going in the version is -1, so a load that fails part-way leaves no version."""
 
     m2po_weight_version: int = 0
 
     def m2po_reload(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Load HF-named full tensors as they come (the iterator may gather each one on demand);
         stamp and return the weight version once every tensor is in."""
+        self.m2po_weight_version = -1
         self.reload_weights(weights_iterator=iter(weights))
         model = self.model_runner.get_model()
         if self.model_runner.model_config.hf_config.tie_word_embeddings:
@@ -41,7 +44,7 @@ class WeightSync:
 
         if not current_platform.is_cpu():
             return self.m2po_reload(weights, version)
-        self.m2po_weight_version = -1  # until every tensor is in: a failed push leaves no version
+        self.m2po_weight_version = -1
         load_in_place(self.model_runner.get_model(), weights)
         self.m2po_weight_version = version
         return version
@@ -53,7 +56,7 @@ class WeightSync:
 
     def m2po_version(self) -> int:
         """The version stamped by the last completed reload (0: the weights the engine started with;
-        -1: a push that failed part-way)."""
+        -1: a load that failed part-way)."""
         return self.m2po_weight_version
 
     def m2po_seed(self, seed: int) -> None:
