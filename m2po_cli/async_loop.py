@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
             for path, problem in skipped:
                 log.message(f"skipping damaged checkpoint {path}: {problem}")
             _forget_steps_from(run_dir, first_step)
-            servers = start_servers(recipe, model_dir, run_dir, learner.world)
+            servers = start_servers(recipe, model_dir, run_dir, learner.world, log.message)
             for server in servers:
                 stack.callback(server.close)
             producer = RolloutProducer(
@@ -145,16 +146,22 @@ def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer |
     return ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
 
 
-def start_servers(recipe: Recipe, model_dir: Path, run_dir: Path, world: int) -> list[EngineServer]:
-    """Attach to `rollout.servers`, or start `num_engines` servers beside the learner.
+def start_servers(
+    recipe: Recipe, model_dir: Path, run_dir: Path, world: int, say: Callable[[str], None]
+) -> list[EngineServer]:
+    """Attach to `rollout.servers`, or start `num_engines` servers beside the learner; `say` tells
+    the user what the run is waiting for.
 
     On GPUs, started engines take the devices after the learner's `world` ranks, in order."""
     cfg = recipe.rollout
+    wait = f"{cfg.server_start_timeout_s:.0f} s"
     if cfg.servers:
+        say(f"waiting for the rollout server(s) to answer /health (at most {wait}): {', '.join(cfg.servers)}")
         servers = [EngineServer(url) for url in cfg.servers]
         for s in servers:
             s.wait_ready(cfg.server_start_timeout_s)
         return servers
+    say(f"starting {cfg.num_engines} vllm serve engine(s) (at most {wait}); output: {run_dir}/engine-*.log")
     servers: list[EngineServer] = []
     try:
         for i in range(cfg.num_engines):

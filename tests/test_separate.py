@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -98,3 +99,18 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
     steps = records(run_dir, "metrics.jsonl")
     assert all(m["staleness/max"] <= MAX_STALENESS and m["rollout/dropped"] == 0 for m in steps)
     assert any(m["staleness/max"] > 0 for m in steps), "the engine never ran ahead of the learner"
+
+
+def test_an_attached_server_that_never_answers_stops_the_run_in_one_line(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    sets = [f'rollout.servers=["{url}"]', "rollout.server_start_timeout_s=2"]
+    cmd = command(tmp_path) + [a for s in sets for a in ("--set", s)]
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert f"waiting for the rollout server(s) to answer /health (at most 2 s): {url}" in out
+    assert out.rstrip().endswith(f"rollout server {url} did not answer /health within 2 s"), out[-3000:]
+    assert "Traceback" not in out
