@@ -7,6 +7,10 @@ random rewards so the weights move, each rank generates its share of the prompts
 on the rows `distribute` gives it with the other ranks, and after each update first checks that a
 skipped push is caught (version check, probe gap), then pushes and probes again. Writes
 OUT/rank<r>.json.
+
+With a second argument TP > 1, groups of TP ranks share one tensor-parallel engine (each rank holds
+its slices of the weights and loads its slices at every push); the `train.rollout` record is left
+out, the pushes and probes are the same.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.rollout import Completion, VLLMEngine
-from m2po_cli.train import grader_workers, rollout, rows_per_update, sync_weights, train_on
+from m2po_cli.train import (
+    engine_share,
+    grader_workers,
+    rollout,
+    rows_per_update,
+    sync_weights,
+    train_on,
+)
 from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
@@ -70,23 +81,32 @@ def train_rollout(engine: SeenEngine, tokenizer, learner) -> dict:
 
 
 def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[PackedRollouts, list]:
-    """Each rank samples and packs its share of PROBLEMS; `distribute` gives each rank its rows."""
+    """Each engine samples its share of PROBLEMS, its group's first rank packs it; `distribute`
+    gives each rank its rows."""
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in PROBLEMS]
-    share = torch.tensor_split(torch.arange(len(prompts)), learner.world)[learner.rank].tolist()
+    tp = recipe.rollout.tensor_parallel_size
+    share = list(engine_share(learner.rank, learner.world, tp, len(prompts))[1])
     groups = engine.generate([prompts[i] for i in share], seed=seed)
     n, a = recipe.rollout.n, recipe.algorithm
     gen = torch.Generator().manual_seed(seed)
     rewards_PG = torch.randint(0, 2, (len(prompts), n), generator=gen).float()
-    first_row = share[0] * n if share else 0
-    mine = [prompts[i] for i in share]
-    pack = pack_groups(
-        learner.version, first_row, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
-    )
+    pack = PackedRollouts.empty(learner.version)
+    if learner.rank % tp == 0:
+        mine = [prompts[i] for i in share]
+        pack = pack_groups(
+            learner.version, share[0] * n, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
+        )
     batch = distribute(pack, owners(pack.row_B, rows_per_update(recipe), learner.world))
     return batch, [(i, [c.token_ids for c in g]) for i, g in zip(share, groups, strict=True)]
 
 
-def main(out: Path) -> None:
+def embedding_rows(worker) -> tuple[int, int]:
+    """(rows of the input embedding this rank's engine holds, vocabulary size); run in the worker."""
+    rows = worker.model_runner.get_model().model.embed_tokens.weight.shape[0]
+    return rows, worker.model_runner.model_config.get_vocab_size()
+
+
+def main(out: Path, tp: int) -> None:
     torch.set_num_threads(1)
     recipe = load_recipe(
         QUICKSTART,
@@ -95,11 +115,13 @@ def main(out: Path) -> None:
             "optim.lr=0.02",
             "rollout.prompts_per_step=4",
             'loss={type="grpo"}',
+            f"rollout.tensor_parallel_size={tp}",
         ],
     )
     model_dir = resolve_model(recipe.model.path)
     learner = Learner(model_dir, recipe)
     engine = SeenEngine(model_dir, recipe.rollout, "float32", 64, world=learner.world)
+    engine.asked = []
     tokenizer = engine.tokenizer
     probe = [
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
@@ -107,10 +129,12 @@ def main(out: Path) -> None:
     ]
     record = {"rank": learner.rank, "world": learner.world, "generated": [], "gaps": [], "stale": []}
     record["skips_caught"] = 0
+    record["embedding_rows"], record["vocab"] = engine.llm.collective_rpc(embedding_rows)[0]
     try:
-        t0 = time.perf_counter()
-        record["rollout"] = train_rollout(engine, tokenizer, learner)
-        record["rollout"]["seconds"] = time.perf_counter() - t0
+        if tp == 1:
+            t0 = time.perf_counter()
+            record["rollout"] = train_rollout(engine, tokenizer, learner)
+            record["rollout"]["seconds"] = time.perf_counter() - t0
         record["gaps"].append(logprob_gap(engine, learner, probe))
         for step in range(2):
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)
@@ -132,4 +156,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)

@@ -1,4 +1,5 @@
-"""One rollout engine per rank under torchrun (2 CPU ranks): shares, pushes and probes on each."""
+"""Rollout engines under torchrun (2 CPU ranks): one per rank, or one tensor-parallel engine over
+both; shares, pushes and probes on each rank."""
 
 from __future__ import annotations
 
@@ -16,16 +17,29 @@ WORKER = Path(__file__).with_name("dist_engine_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
+def run_worker(out: Path, tp: int) -> list[dict]:
+    """`dist_engine_worker.py` under torchrun with 2 CPU ranks; each rank's record."""
     resolve_model("builtin:tiny-qwen3")  # build once, not once per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     done = subprocess.run(
-        [*cmd, str(WORKER), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
+        [*cmd, str(WORKER), str(out), str(tp)], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def assert_follows_every_push(rec: dict) -> None:
+    # Before any update and after each of the two pushes, the engine scores as the learner does.
+    assert len(rec["gaps"]) == 3 and max(rec["gaps"]) < 1e-4, rec["gaps"]
+    # Each update moved the probe visibly, and the engine noticed the push it had not received.
+    assert min(rec["stale"]) > 1e-3, rec["stale"]
+    assert rec["skips_caught"] == 2
+
+
+@pytest.mark.slow
+def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
+    ranks = run_worker(tmp_path, tp=1)
 
     # The train loop's rollout step: each rank's engine sampled its own half of the batch's prompts,
     # with its own seed ...
@@ -58,8 +72,18 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
         for step in rec["generated"]:  # rank 0 samples prompts 0-1, rank 1 prompts 2-3, n each
             assert [i for i, _ in step] == [2 * r, 2 * r + 1]
             assert all(len(group) == 8 and all(len(t) > 0 for t in group) for _, group in step)
-        # Before any update and after each of the two pushes, the engine scores as the learner does.
-        assert len(rec["gaps"]) == 3 and max(rec["gaps"]) < 1e-4, rec["gaps"]
-        # Each update moved the probe visibly, and the engine noticed the push it had not received.
-        assert min(rec["stale"]) > 1e-3, rec["stale"]
-        assert rec["skips_caught"] == 2
+        assert rec["embedding_rows"] == rec["vocab"]
+        assert_follows_every_push(rec)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_over_both_ranks_follows_every_push(tmp_path):
+    ranks = run_worker(tmp_path, tp=2)
+    for rec in ranks:
+        # One engine over the two ranks: each holds half the embedding, and the push loads its half.
+        assert rec["world"] == 2 and 2 * rec["embedding_rows"] >= rec["vocab"] > rec["embedding_rows"]
+        for step in rec["generated"]:  # the one engine samples all 4 prompts, n each
+            assert [i for i, _ in step] == [0, 1, 2, 3]
+            assert all(len(group) == 8 and all(len(t) > 0 for t in group) for _, group in step)
+        assert_follows_every_push(rec)
+    assert ranks[0]["generated"] == ranks[1]["generated"], "the ranks of one engine saw different samples"
