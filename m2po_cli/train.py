@@ -128,7 +128,7 @@ def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None
     """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
     tp = recipe.rollout.tensor_parallel_size
     if world % tp:
-        raise ValueError(f"rollout.tensor_parallel_size: {tp} does not divide the {world} ranks")
+        raise RunError(f"rollout.tensor_parallel_size: {tp} does not divide the {world} ranks")
     return VLLMEngine(
         model_dir,
         recipe.rollout,

@@ -174,9 +174,14 @@ def _malformed(edits: dict[str, str]) -> str:
     return text
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "m2po_cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "m2po_cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -261,6 +266,19 @@ def test_bad_data_fails_in_seconds_before_anything_starts(tmp_path: Path, name: 
     assert cpu < 5, f"{cpu:.1f} s of CPU"
     assert elapsed < 30, f"{elapsed:.1f} s"
     assert not (tmp_path / "quickstart").exists(), "the run started before the data was checked"
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_launch_fails_before_anything_starts(tmp_path: Path):
+    out = f'run.output_dir="{tmp_path}"'
+    for tp, world in [(2, None), (3, "4")]:
+        sets = ["--set", f"rollout.tensor_parallel_size={tp}", "--set", out]
+        proc = _cli("train", str(QUICKSTART), *sets, env=None if world is None else {"WORLD_SIZE": world})
+        prefix = f"{QUICKSTART}: rollout.tensor_parallel_size: {tp} does not divide the {world or 1} process"
+        assert _one_line_problem(proc, prefix) is None, _one_line_problem(proc, prefix)
+    assert not (tmp_path / "quickstart").exists(), "the run started before the launch was checked"
+    # A dry run checks the recipe alone: the launch that will run it is not known yet.
+    dry = _cli("train", str(QUICKSTART), "--set", "rollout.tensor_parallel_size=2", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
 
 
 # --- --set overrides -----------------------------------------------------------------------------
