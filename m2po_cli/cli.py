@@ -43,7 +43,9 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
     if dry_run:
         click.echo(to_toml(resolved), nl=False)
         return
-    _check_launch(recipe, resolved.rollout)
+    problem = resolved.rollout.launch_problem(int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:  # before anything starts; a dry run does not know the launch
+        _fail(f"{recipe}: {problem}")
     _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
     idle_threads_sleep()
     from m2po_cli.models import ModelError
@@ -181,17 +183,6 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
         run_ratios(run_dir, steps, as_json, plot_dir)
     except RecordError as e:
         _fail(str(e))
-
-
-def _check_launch(recipe_path: str, rollout) -> None:
-    """What the launch fixes and the recipe must fit, before anything starts: colocated engines
-    span `tensor_parallel_size` consecutive ranks, so it must divide the ranks torchrun started."""
-    world, tp = int(os.environ.get("WORLD_SIZE", "1")), rollout.tensor_parallel_size
-    if rollout.mode == "colocated" and world % tp:
-        _fail(
-            f"{recipe_path}: rollout.tensor_parallel_size: {tp} does not divide the {world} process(es) "
-            "of this launch; start a multiple of it (torchrun --nproc-per-node)"
-        )
 
 
 def _fail(message: str) -> None:

@@ -185,6 +185,17 @@ class RolloutConfig(Table):
         "freed; 2: both freed). The CPU has no sleep mode.",
     )
 
+    def launch_problem(self, world: int) -> str | None:
+        """What keeps a launch of `world` processes from running this rollout, or None: colocated
+        engines span `tensor_parallel_size` consecutive ranks, so it must divide them."""
+        tp = self.tensor_parallel_size
+        if self.mode == "colocated" and world % tp:
+            return (
+                f"rollout.tensor_parallel_size: {tp} does not divide the {world} process(es) of this "
+                "launch; start a multiple of it (torchrun --nproc-per-node)"
+            )
+        return None
+
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutConfig:
         if self.top_p != 1.0:

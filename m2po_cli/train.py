@@ -126,9 +126,9 @@ def grader_workers() -> int:
 
 def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
     """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
-    tp = recipe.rollout.tensor_parallel_size
-    if world % tp:
-        raise RunError(f"rollout.tensor_parallel_size: {tp} does not divide the {world} ranks")
+    problem = recipe.rollout.launch_problem(world)
+    if problem:
+        raise RunError(problem)
     return VLLMEngine(
         model_dir,
         recipe.rollout,

@@ -47,7 +47,9 @@ PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
 class SeenEngine(VLLMEngine):
     """The real engine; it also remembers what it was asked to sample and what it answered."""
 
-    asked: list[dict]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[dict] = []
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
         groups = super().generate(prompts, seed)
@@ -121,7 +123,6 @@ def main(out: Path, tp: int) -> None:
     model_dir = resolve_model(recipe.model.path)
     learner = Learner(model_dir, recipe)
     engine = SeenEngine(model_dir, recipe.rollout, "float32", 64, world=learner.world)
-    engine.asked = []
     tokenizer = engine.tokenizer
     probe = [
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)

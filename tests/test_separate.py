@@ -102,9 +102,9 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
 
 
 def test_an_attached_server_that_never_answers_stops_the_run_in_one_line(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     sets = [f'rollout.servers=["{url}"]', "rollout.server_start_timeout_s=2"]
     cmd = command(tmp_path) + [a for s in sets for a in ("--set", s)]
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
