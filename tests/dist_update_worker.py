@@ -1,11 +1,14 @@
 """Run by tests/test_learner.py, alone or under torchrun: m2po updates by both ways to the global mask.
 
-Every rank builds the same 9-row batch and keeps its own rows (2 ranks: 6 and 3, an uneven split);
-behaviour logprobs are the learner's own, perturbed by noise that depends on the row and position
-only, plus one large outlier a row, so M2PO masks. For each case (a `global_pass`, and for
-`correct_after` the provisional threshold the first update starts from) a fresh learner runs two
-updates; each rank writes the clipped gradient and full weights of each update, the tokens its
-forwards ran over, and the metrics to OUT/rank<r>.pt.
+Every rank builds the same 9-row batch and keeps its own rows (2 ranks: 6 and 3, an uneven split).
+Before each update the behaviour logprobs are set to the learner's own logprobs at that moment plus
+noise that depends on the row and position only (`update_noise`), plus one large outlier a row, so
+every log-ratio is -noise by construction: which tokens M2PO masks, and which ones the provisional
+mask of `correct_after` gets wrong, follow from the noise alone, never from how the model's numerics
+round on a given CPU (`tests/test_learner.py` checks that construction without a model). For each
+case (a `global_pass`, and for `correct_after` the provisional threshold the first update starts
+from) a fresh learner runs two updates; each rank writes the clipped gradient and full weights of
+each update, the tokens its forwards ran over, and the metrics to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -22,9 +25,25 @@ from m2po_cli.models import resolve_model
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 CASES = {"score_first": None, "correct_after": None, "correct_after z0=0.05": 0.05, "auto z0=0.05": 0.05}
+# Adam's eps at 1e-4, the size of a typical gradient entry here: with eps = 1e-8 an entry whose true
+# gradient is ~0 takes a step of up to lr from its float32 rounding alone, so the two ways' weights
+# could part by lr. The bound `adam_weight_tolerance` derives stays small.
+OVERRIDES = [
+    "train.micro_batch_sequences=2",
+    "optim.lr=0.01",
+    "optim.weight_decay=0.01",
+    "optim.grad_clip=0.05",
+    "optim.eps=1e-4",
+]
+# (seed, scale) of each update's Gaussian noise. Update 2's exact mask threshold (0.29 at the
+# quickstart's tau) falls well below update 1's (0.41), the provisional threshold update 2 starts
+# from, so three tokens between the two are provisionally kept and exactly masked: update 2 needs a
+# correction by construction. `test_update_worker_forces_every_path` checks it and the margins.
+NOISE = ((17, 0.3), (16, 0.6))
 
 
-def whole_batch(vocab: int) -> tuple[Batch, torch.Tensor]:
+def whole_batch(vocab: int) -> Batch:
+    """Nine rows of prompt then response (responses of 1-11 tokens), advantages of both signs and one 0."""
     g = torch.Generator().manual_seed(3)
     prompt_B = torch.randint(3, 7, (9,), generator=g)
     response_B = torch.randint(1, 12, (9,), generator=g)
@@ -33,19 +52,21 @@ def whole_batch(vocab: int) -> tuple[Batch, torch.Tensor]:
     columns_L = torch.arange(tokens_BL.shape[1])
     mask_BL = ((columns_L >= prompt_B[:, None]) & (columns_L < lengths_B[:, None])).float()
     advantages_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 1.5, -1.5])
-    # Behaviour = current logprob + noise: log r = -noise. Each row's last token gets z = 5 (r = e^5
-    # with A > 0), above PROVISIONAL_MAX_LOG_RATIO.
-    noise_BL = 0.3 * torch.randn(tokens_BL.shape, generator=g)
-    noise_BL[torch.arange(9), lengths_B - 1] = -5.0 * advantages_B.sign()
-    return Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), advantages_B, lengths_B), noise_BL
+    return Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), advantages_B, lengths_B)
+
+
+def update_noise(batch: Batch, update: int) -> torch.Tensor:
+    """Behaviour minus current logprob before `update` (0-based): log r = -noise. Gaussian noise
+    (`NOISE`), and on each row's last token z = 5 (r = e^5 with A > 0), above PROVISIONAL_MAX_LOG_RATIO."""
+    seed, scale = NOISE[update]
+    noise_BL = scale * torch.randn(batch.tokens_BL.shape, generator=torch.Generator().manual_seed(seed))
+    noise_BL[torch.arange(batch.num_rows), batch.lengths_B - 1] = -5.0 * batch.advantages_B.sign()
+    return noise_BL * batch.mask_BL
 
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    recipe = load_recipe(
-        QUICKSTART,
-        ["train.micro_batch_sequences=2", "optim.lr=0.01", "optim.weight_decay=0.01", "optim.grad_clip=0.05"],
-    )
+    recipe = load_recipe(QUICKSTART, OVERRIDES)
     model_dir = resolve_model(recipe.model.path)
     loss_fn = build_loss(recipe.loss)
     results = {}
@@ -54,12 +75,11 @@ def main(out: Path) -> None:
         learner.global_pass = name.split()[0]
         if provisional_z is not None:
             learner._provisional_z = provisional_z
-        batch, noise_BL = whole_batch(learner.arch.hf_config["vocab_size"])
+        whole = whole_batch(learner.arch.hf_config["vocab_size"])
+        rows = torch.arange(whole.num_rows)
         if learner.world == 2:
             rows = torch.arange(6) if learner.rank == 0 else torch.arange(6, 9)
-            batch, noise_BL = batch.take(rows), noise_BL[rows, : int(batch.lengths_B[rows].max())]
-        current_BL, _ = learner.score(batch)
-        batch.behaviour_logprobs_BL = (current_BL + noise_BL) * batch.mask_BL
+        batch = whole.take(rows)
         num_tokens = torch.tensor([batch.mask_BL.sum()])
         torch.distributed.all_reduce(num_tokens)
         steps, grads = [], []
@@ -73,7 +93,10 @@ def main(out: Path) -> None:
         learner.model.register_forward_pre_hook(
             lambda _, args, n=forwarded: n.append(n.pop() + args[0].numel())
         )
-        for _ in range(2):
+        for update in range(2):
+            noise_BL = update_noise(whole, update)[rows, : batch.tokens_BL.shape[1]]
+            current_BL, _ = learner.score(batch)
+            batch.behaviour_logprobs_BL = (current_BL + noise_BL) * batch.mask_BL
             forwarded[0] = 0
             metrics = learner.update(batch, loss_fn, int(num_tokens))
             full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
