@@ -1,8 +1,27 @@
-"""Shared fixtures. `char_tokenizer`: a real fast tokenizer built offline (no hub)."""
+"""Shared fixtures. `char_tokenizer`: a real fast tokenizer built offline (no hub).
 
-import pytest
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+The suite pins what its numbers depend on, so that it decides on the code and not on the machine
+or the shell it runs in: torch's intra-op threads (a parallel reduction sums in an order that
+depends on the thread count) for this process and for every command a test starts, unless the test
+sets its own; and Hypothesis draws the same examples on every run.
+"""
+
+import os
+
+# Before anything imports torch: OpenMP reads this once, at start-up.
+TEST_THREADS = 2
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = str(TEST_THREADS)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+torch.set_num_threads(TEST_THREADS)
+settings.register_profile("m2po", derandomize=True)
+settings.load_profile("m2po")
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -28,7 +47,6 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 # --- real-stack fixtures --------------------------------------------------------------------------
 
-import os  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -67,8 +85,6 @@ def pytest_collection_modifyitems(config, items):
     marked = [item for item in items if item.get_closest_marker("gpu")]
     if not marked:
         return
-    import torch
-
     found = torch.cuda.device_count()
     for item in marked:
         args = item.get_closest_marker("gpu").args

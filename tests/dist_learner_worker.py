@@ -1,8 +1,8 @@
 """Run by tests/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
 
 Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
-writes its gathered HF state dict, its metrics and its rows' behaviour-version scores to
-OUT/rank<r>.pt.
+writes its gathered HF state dict, its metrics, the gradient of each update (HF names) and its rows'
+behaviour-version scores to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from m2po_cli.rollout import Completion
 from m2po_cli.train import _score_at_behaviour_version, rows_per_update, train_on
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+OVERRIDES = [
+    "rollout.prompts_per_step=4",
+    "train.mini_batch_prompts=2",
+    "train.micro_batch_sequences=3",
+    "staleness.s=0",
+    "optim.lr=0.002",
+    "optim.weight_decay=0.01",
+    'algorithm.behaviour_logprobs="learner"',
+]
 
 
 def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollouts:
@@ -46,23 +55,18 @@ def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollou
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    recipe = load_recipe(
-        QUICKSTART,
-        [
-            "rollout.prompts_per_step=4",
-            "train.mini_batch_prompts=2",
-            "train.micro_batch_sequences=3",
-            "staleness.s=0",
-            "optim.lr=0.002",
-            "optim.weight_decay=0.01",
-            'algorithm.behaviour_logprobs="learner"',
-        ],
-    )
+    recipe = load_recipe(QUICKSTART, OVERRIDES)
     learner = Learner(resolve_model(recipe.model.path), recipe)
     loss_fn = build_loss(recipe.loss)
     # Step 0 is recorded (quickstart: every 10th step, every row): each rank scores the rows it holds.
     recorder = Recorder(out, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
-    metrics, scored = [], []
+    metrics, scored, grads = [], [], []
+    # The gradient the optimizer applies at each update (clipped), gathered whole on every rank.
+    learner.optimizer.register_step_pre_hook(
+        lambda *_: grads.append(
+            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
+        )
+    )
     for step in range(3):
         batch = fixed_batch(step, 4, recipe.rollout.n, learner.arch.hf_config["vocab_size"])
         if learner.rank != 0:
@@ -85,7 +89,9 @@ def main(out: Path) -> None:
     # Every rank gathers the full weights itself, so ranks can be compared with each other.
     full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
     state = learner.arch.adapter.to_hf(full)
-    torch.save({"state": state, "metrics": metrics, "scored": scored}, out / f"rank{learner.rank}.pt")
+    torch.save(
+        {"state": state, "metrics": metrics, "scored": scored, "grads": grads}, out / f"rank{learner.rank}.pt"
+    )
 
 
 if __name__ == "__main__":

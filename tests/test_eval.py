@@ -27,6 +27,7 @@ from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
 from m2po_cli.staleness import StalenessQueue
 from tests.conftest import recipe_for
+from tests.tolerances import forward_atol
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
@@ -431,11 +432,33 @@ def test_weights_reloaded_into_the_engine_are_the_ones_used(run_dir):
         engine.close()
     for model_dir, tokens in zip((base, export), outputs, strict=True):
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        expected = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[
-            0, len(ids) :
-        ].tolist()
-        assert tokens == expected[: len(tokens)] and len(tokens) > 0, model_dir
+        assert len(tokens) > 0, model_dir
+        assert_same_greedy(hf, ids, tokens, model_dir)
     assert outputs[0] != outputs[1]
+
+
+def assert_same_greedy(hf, ids: list[int], tokens: list[int], where) -> None:
+    """vLLM's greedy tokens are HF's, up to the first step whose two best logits are closer than
+    two float32 implementations may differ (`forward_atol`, either side): there vLLM's token must be
+    one of the near-tied best, and after it the two continuations may part."""
+    out = hf.generate(
+        torch.tensor([ids]),
+        max_new_tokens=len(tokens),
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    expected = out.sequences[0, len(ids) :].tolist()
+    for t, (logits_V, token) in enumerate(zip(out.logits, tokens, strict=False)):
+        logits_V = logits_V[0]
+        tie = 2 * forward_atol(logits_V, hf.config.num_hidden_layers)
+        if float(logits_V.max() - logits_V.topk(2).values[1]) > tie:
+            assert token == expected[t], f"{where}: step {t}"
+            continue
+        assert float(logits_V.max() - logits_V[token]) <= tie, (
+            f"{where}: step {t}, not a near-tied best token"
+        )
+        return
 
 
 def test_benchmark_file_errors_name_the_item(tmp_path):
