@@ -49,16 +49,17 @@ def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[flo
     """Seconds of `generate` for the rollout batch made at each step 0..steps-1 (initial weights)."""
     from m2po_cli.config import load_recipe
     from m2po_cli.data import PromptBatches, load_problems
-    from m2po_cli.models import resolve_model
-    from m2po_cli.rollout import VLLMEngine, resolve_dtype
-    from m2po_cli.train import _max_len, _seed, _tokenizer
+    from m2po_cli.device import resolve_dtype
+    from m2po_cli.models import load_tokenizer, resolve_model
+    from m2po_cli.rollout import VLLMEngine
+    from m2po_cli.train import _seed
 
     recipe = load_recipe(recipe_path, overrides)
     model_dir = resolve_model(recipe.model.path)
     prompts = PromptBatches(
-        load_problems(recipe.data), _tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step
+        load_problems(recipe.data), load_tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step
     )
-    engine = VLLMEngine(model_dir, recipe.rollout, resolve_dtype(recipe.model.dtype), _max_len(recipe))
+    engine = VLLMEngine(model_dir, recipe.rollout, resolve_dtype(recipe.model.dtype), recipe.max_model_len)
     try:
         k = recipe.queue_batches
         times = []

@@ -27,9 +27,10 @@ import torch
 from local_model import QWEN3_0_6B, TINY, Qwen3Shape, write_qwen3
 
 from m2po_cli.config import load_recipe
+from m2po_cli.device import resolve_dtype
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
-from m2po_cli.rollout import VLLMEngine, resolve_dtype
+from m2po_cli.rollout import VLLMEngine
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring.

@@ -20,20 +20,18 @@ import torch
 from m2po_cli import checkpoint
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
-from m2po_cli.grader import Grader
+from m2po_cli.device import resolve_dtype, torch_dtype
+from m2po_cli.errors import RunError
+from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
-from m2po_cli.models import check_model_dir, resolve_model
+from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.producer import Group, RolloutProducer
 from m2po_cli.record import Recorder
-from m2po_cli.rollout import resolve_dtype
 from m2po_cli.runlog import RunLog
 from m2po_cli.server import EngineServer
 from m2po_cli.train import (
-    RunError,
-    _max_len,
-    _tokenizer,
     checkpoint_due,
     rollout_metrics,
     rows_per_update,
@@ -52,7 +50,7 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
     resolve_transport(recipe.rollout.weight_transport)  # nccl without CUDA stops here, before anything starts
     prompts = PromptBatches(  # cheap checks first: the model's files, the prompt set and its template
         load_problems(recipe.data) if problems is None else problems,
-        _tokenizer(model_dir),
+        load_tokenizer(model_dir),
         recipe.data,
         recipe.rollout.prompts_per_step,
     )
@@ -80,13 +78,13 @@ def train_separate(recipe: Recipe, problems: list[Problem] | None = None) -> Pat
                 servers,
                 prompts,
                 recipe.rollout,
-                _prompts_per_update(recipe),
+                recipe.prompts_per_update,
                 recipe.staleness.max_staleness,
                 learner.version,
                 **carried,
             )
             stack.callback(producer.stop)
-            grader = stack.enter_context(Grader())
+            grader = stack.enter_context(Grader(num_workers=grader_workers(1)))  # rank 0 grades alone
             if first_step:
                 log.message(
                     f"resumed at step {first_step}, policy version {learner.version}; regenerating "
@@ -136,7 +134,7 @@ def resume(
 
 def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer | None) -> WeightTransport:
     """The recipe's weight transport (every rank builds it; only rank 0 has the producer)."""
-    cfg, dtype = recipe.rollout, _wire_dtype(recipe)
+    cfg, dtype = recipe.rollout, torch_dtype(recipe.model.dtype)
     swap = producer.swap if producer is not None else None
     if resolve_transport(cfg.weight_transport) == "nccl":
         from m2po_cli.nccl_transport import NcclWeightTransport
@@ -170,7 +168,7 @@ def start_servers(
             devices = (
                 _engine_devices(i, cfg.tensor_parallel_size, world) if torch.cuda.is_available() else None
             )
-            servers.append(EngineServer.start(model_dir, cfg, dtype, _max_len(recipe), log_path, devices))
+            servers.append(EngineServer.start(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
     except BaseException:
         for s in servers:
             s.close()
@@ -225,7 +223,7 @@ def pack_rollouts(groups: list[Group], grader: Grader, recipe: Recipe) -> Packed
 
 def staleness_metrics(versions: list[int], first_version: int, recipe: Recipe) -> dict[str, float]:
     """Per-group staleness: the update that trained the group minus the version that generated it."""
-    per_update = _prompts_per_update(recipe)
+    per_update = recipe.prompts_per_update
     staleness = [first_version + j // per_update - v for j, v in enumerate(versions)]
     m = {
         "staleness/min": float(min(staleness)),
@@ -267,11 +265,3 @@ def _forget_steps_from(run_dir: Path, first_step: int) -> None:
         whole = path.read_text().split("\n")[:-1]  # a line cut short by a kill has no newline yet
         kept = [line for line in whole if json.loads(line)["step"] < first_step]
         path.write_text("".join(line + "\n" for line in kept))
-
-
-def _prompts_per_update(recipe: Recipe) -> int:
-    return recipe.train.mini_batch_prompts or recipe.rollout.prompts_per_step
-
-
-def _wire_dtype(recipe: Recipe) -> torch.dtype:
-    return torch.bfloat16 if resolve_dtype(recipe.model.dtype) == "bfloat16" else torch.float32

@@ -48,9 +48,9 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         _fail(f"{recipe}: {problem}")
     _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
     idle_threads_sleep()
+    from m2po_cli.errors import RunError
     from m2po_cli.models import ModelError
     from m2po_cli.server import EngineError
-    from m2po_cli.train import RunError
     from m2po_cli.train import train as run_training
 
     try:

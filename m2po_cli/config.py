@@ -394,9 +394,18 @@ class Recipe(Table):
             )
 
     @property
+    def prompts_per_update(self) -> int:
+        """Prompts (groups) in one optimizer update: a mini-batch, or the whole rollout batch."""
+        return self.train.mini_batch_prompts or self.rollout.prompts_per_step
+
+    @property
     def updates_per_step(self) -> int:
-        mb = self.train.mini_batch_prompts or self.rollout.prompts_per_step
-        return self.rollout.prompts_per_step // mb
+        return self.rollout.prompts_per_step // self.prompts_per_update
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence an engine holds: the longest prompt plus the longest response."""
+        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
     @property
     def queue_batches(self) -> int:

@@ -272,7 +272,8 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     """An in-process `vllm.LLM` for evaluation (the CPU settings of training's engine)."""
     import torch
 
-    from m2po_cli.rollout import build_llm, resolve_dtype
+    from m2po_cli.device import resolve_dtype
+    from m2po_cli.rollout import build_llm
 
     on_gpu = torch.cuda.is_available()
     return build_llm(

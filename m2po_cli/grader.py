@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import re
 import signal
 import time
@@ -43,6 +44,13 @@ _TOKENS = re.compile(
 )
 
 _WORKER_START_S = 300.0  # spawn + importing sympy can be slow on a loaded machine
+
+
+def grader_workers(grading_ranks: int) -> int:
+    """Grading processes for each of the `grading_ranks` ranks that grade on this host during
+    training: 4, or fewer where they would otherwise start more than the host has cores (each
+    worker imports sympy: a few seconds and ~200 MB)."""
+    return max(1, min(4, (os.cpu_count() or 1) // grading_ranks))
 
 
 class GraderError(Exception):

@@ -40,10 +40,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
+from m2po_cli.device import resolve_dtype
 from m2po_cli.logprobs import install_head, score_request
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
-from m2po_cli.rollout import resolve_dtype
 from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
 
 

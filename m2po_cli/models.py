@@ -135,6 +135,13 @@ def _download(hub_id: str) -> Path:
         ) from None
 
 
+def load_tokenizer(model_dir: Path):
+    """The model folder's tokenizer (transformers), loaded from its files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def check_model_dir(model_dir: Path) -> None:
     """Raise ModelError unless `model_dir` holds what every consumer loads: `config.json`, whole
     safetensors files (each header read and checked against the file's size), and a tokenizer with a

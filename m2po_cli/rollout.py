@@ -55,13 +55,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-def resolve_dtype(choice: str) -> str:
-    """`auto` is bfloat16 on a GPU and float32 on the CPU (where bf16 matmuls are slow)."""
-    if choice != "auto":
-        return choice
-    return "bfloat16" if torch.cuda.is_available() else "float32"
-
-
 def _cpu_env() -> None:
     # Thread binding doubles throughput here; under torchrun each local rank binds its own cores.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -20,20 +20,17 @@ import torch.distributed as dist
 from m2po_cli import checkpoint
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
-from m2po_cli.grader import Grader
+from m2po_cli.device import resolve_dtype
+from m2po_cli.errors import RunError
+from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
-from m2po_cli.models import check_model_dir, resolve_model
+from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.packed import PackedRollouts, all_gather_rows, distribute, owners, pack_groups
 from m2po_cli.record import Recorder, Sample
-from m2po_cli.rollout import RolloutEngine, VLLMEngine, resolve_dtype
+from m2po_cli.rollout import RolloutEngine, VLLMEngine
 from m2po_cli.runlog import RunLog
 from m2po_cli.staleness import StalenessQueue
-
-
-class RunError(Exception):
-    """The run cannot go on as asked (e.g. a checkpoint of the other rollout mode); says what to do."""
-
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4
@@ -54,7 +51,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     check_model_dir(model_dir)
     prompts = PromptBatches(
         load_problems(recipe.data) if problems is None else problems,
-        _tokenizer(model_dir),
+        load_tokenizer(model_dir),
         recipe.data,
         recipe.rollout.prompts_per_step,
     )
@@ -71,7 +68,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             log = RunLog(run_dir, recipe, learner.world)
             stack.callback(log.close)
         if rank % recipe.rollout.tensor_parallel_size == 0:  # grades the rows its engine samples
-            grader = stack.enter_context(Grader(num_workers=grader_workers()))
+            local_graders = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // recipe.rollout.tensor_parallel_size
+            grader = stack.enter_context(Grader(num_workers=grader_workers(max(1, local_graders))))
         engine = build_engine(model_dir, recipe, learner.world, log)
         stack.callback(engine.close)
 
@@ -117,13 +115,6 @@ def checkpoint_due(recipe: Recipe, step: int) -> bool:
     return bool(every and (step + 1) % every == 0) or step + 1 == recipe.run.steps
 
 
-def grader_workers() -> int:
-    """Grading processes per generating rank: 4, or fewer when the ranks on this host would otherwise
-    start more than it has cores (each worker imports sympy: a few seconds and ~200 MB)."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, min(4, (os.cpu_count() or 1) // local_ranks))
-
-
 def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
     """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
     problem = recipe.rollout.launch_problem(world)
@@ -133,7 +124,7 @@ def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None
         model_dir,
         recipe.rollout,
         resolve_dtype(recipe.model.dtype),
-        _max_len(recipe),
+        recipe.max_model_len,
         world=world,
         log=log.message if log is not None else None,
     )
@@ -227,7 +218,7 @@ def generate_share(
 
 
 def rows_per_update(recipe: Recipe) -> int:
-    return (recipe.train.mini_batch_prompts or recipe.rollout.prompts_per_step) * recipe.rollout.n
+    return recipe.prompts_per_update * recipe.rollout.n
 
 
 def _score_at_behaviour_version(batch: PackedRollouts, learner: Learner, everything: bool) -> None:
@@ -398,13 +389,3 @@ def _seed(run_seed: int, index: int, engine_group: int = 0) -> int:
     """The sampling seed of one engine for rollout step `index`: fixed by the run's seed, so a resumed
     run samples what the uninterrupted one did; engine group 0 has the one-engine run's seed."""
     return (run_seed * 1_000_003 + (index + 1_000) * 10_007 + engine_group * 1_000_000_007) % 2**31
-
-
-def _max_len(recipe: Recipe) -> int:
-    return recipe.data.max_prompt_tokens + recipe.rollout.max_new_tokens
-
-
-def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))

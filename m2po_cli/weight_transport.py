@@ -155,7 +155,7 @@ class ShmWeightTransport(WeightTransport):
 
 def resolve_transport(choice: str) -> str:
     """`rollout.weight_transport`: auto is nccl where CUDA is, else shm."""
-    from m2po_cli.train import RunError
+    from m2po_cli.errors import RunError
 
     if choice == "auto":
         return "nccl" if torch.cuda.is_available() else "shm"

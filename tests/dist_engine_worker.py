@@ -24,7 +24,7 @@ import torch
 
 from m2po_cli.config import load_recipe
 from m2po_cli.data import PromptBatches, encode_prompt, load_problems
-from m2po_cli.grader import Grader
+from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
@@ -32,7 +32,6 @@ from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.rollout import Completion, VLLMEngine
 from m2po_cli.train import (
     engine_share,
-    grader_workers,
     rollout,
     rows_per_update,
     sync_weights,
@@ -69,7 +68,7 @@ def train_rollout(engine: SeenEngine, tokenizer, learner) -> dict:
     prompts = PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
     expected = [p.token_ids for p in next(PromptBatches(problems, tokenizer, recipe.data, 4))]
     engine.asked = []
-    with Grader(grader_workers()) as grader:
+    with Grader(grader_workers(1)) as grader:
         batch = rollout(engine, grader, prompts, learner, recipe, no_record(recipe, learner), 0)
     tokens = [t.tolist() for t in batch.tokens_N.split(batch.lengths_B.tolist())]
     return {

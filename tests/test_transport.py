@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.nccl_transport import learner_source, rank_offsets
-from m2po_cli.train import RunError
 from m2po_cli.weight_transport import resolve_transport
 from tests.conftest import recipe_for
 
