@@ -93,20 +93,19 @@ def baseline_score(learner, batch):
 
 
 def baseline_update(learner, batch, loss_fn, num_tokens):
-    from m2po_cli.learner import _advantages_BL
 
     mb = learner.recipe.train.micro_batch_sequences
     aux_BL = None
     if loss_fn.needs_global_pass:
         current_BL, _ = baseline_score(learner, batch)
         log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
-        aux_BL, _ = loss_fn.prepare(log_ratio_BL, _advantages_BL(batch), batch.mask_BL)
+        aux_BL, _ = loss_fn.prepare(log_ratio_BL, batch.advantages_BL, batch.mask_BL)
     for start in range(0, batch.num_rows, mb):
         stop = min(start + mb, batch.num_rows)
         part = _rows(batch, start, stop)
         lp, _ = baseline_forward(learner, part)
         aux = aux_BL[start:stop, : part.tokens_BL.shape[1]] if aux_BL is not None else None
-        loss, _ = loss_fn(lp, part.behaviour_logprobs_BL, _advantages_BL(part), part.mask_BL, aux, num_tokens)
+        loss, _ = loss_fn(lp, part.behaviour_logprobs_BL, part.advantages_BL, part.mask_BL, aux, num_tokens)
         loss.backward()
     learner.optimizer.zero_grad(set_to_none=True)  # timing only: the weights stay put
 
@@ -253,12 +252,12 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 
 def passes_and_timing(report, args) -> None:
+    from m2po_cli.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.config import GRPOLoss, M2POLoss
     from m2po_cli.learner import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.models import resolve_model
     from m2po_cli.packed import pack_groups
-    from m2po_cli.train import MISMATCH_SAMPLE_ROWS, _score_at_behaviour_version
     from tests.conftest import recipe_for
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -287,7 +286,8 @@ def passes_and_timing(report, args) -> None:
         batch.behaviour_logprobs_BL = (current_BL - noise_BL) * batch.mask_BL
         if which == "baseline":
             return baseline_update(learner, batch, losses[name], num_tokens) or {}
-        learner.global_pass = which
+        train = learner.recipe.train.model_copy(update={"global_pass": which})
+        learner.recipe = learner.recipe.model_copy(update={"train": train})
         return learner.update(batch, losses[name], num_tokens)
 
     # The learner's two ways to M2PO's mask: `score_first` (a no-grad pass, then the training
@@ -313,7 +313,7 @@ def passes_and_timing(report, args) -> None:
     baseline_score(learner, batch)
     score_before = counter.tokens / real
     counter.tokens = 0
-    _score_at_behaviour_version(pack, learner, everything=False)
+    score_at_behaviour_version(pack, learner, everything=False)
     score_after = counter.tokens / real
     for name, after in (("grpo", "auto"), ("m2po", "score_first")):
         report.row(

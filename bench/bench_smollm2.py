@@ -47,12 +47,12 @@ PHASES = ["generate", "grade", "score", "update", "weight_sync", "rollout", "tra
 
 def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[float]:
     """Seconds of `generate` for the rollout batch made at each step 0..steps-1 (initial weights)."""
+    from m2po_cli.colocated import sampling_seed
     from m2po_cli.config import load_recipe
     from m2po_cli.data import PromptBatches, load_problems
     from m2po_cli.device import resolve_dtype
     from m2po_cli.models import load_tokenizer, resolve_model
     from m2po_cli.rollout import VLLMEngine
-    from m2po_cli.train import _seed
 
     recipe = load_recipe(recipe_path, overrides)
     model_dir = resolve_model(recipe.model.path)
@@ -66,7 +66,7 @@ def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[flo
         for index in range(-k, steps):  # the K warm-up batches come first, as in the run
             batch = [p.token_ids for p in next(prompts)]
             t0 = time.perf_counter()
-            engine.generate(batch, _seed(recipe.run.seed, index))
+            engine.generate(batch, sampling_seed(recipe.run.seed, index))
             if index >= 0:
                 times.append(time.perf_counter() - t0)
         return times

@@ -1,10 +1,10 @@
 """DCP checkpoints of a run: sharded model and optimizer, plus the loop state.
 
 `<run>/checkpoints/step-NNNNNN/` holds the DCP shards of model and optimizer (every rank writes its
-own), each rank's rows of the staleness FIFO (`queue-RRRRR-of-WWWWW.safetensors`, see
-`StalenessQueue.save`), and `loop.pt` (rank 0, tensors and plain values, read with
-`weights_only=True`): the step, the learner's version and LR schedule, the data position and the
-RNG state. Then rank 0 writes `MANIFEST.json` (every file of the folder
+own), the files the rollout source writes per rank (colocated: its rows of the staleness FIFO,
+`queue-RRRRR-of-WWWWW.safetensors`), and `loop.pt` (rank 0, tensors and plain values, read with
+`weights_only=True`): the step, the rollout mode, the learner's version and LR schedule, the data
+position, what the source carries (separate: the prompts in flight) and the RNG state. Then rank 0 writes `MANIFEST.json` (every file of the folder
 with its size), syncs the files and the folder to disk, and writes `COMPLETE` last.
 
 A step counts only if it verifies (`verify`): `COMPLETE` is there, every file of the manifest has its
@@ -19,11 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from m2po_cli.staleness import StalenessQueue
+from typing import Any, NamedTuple
 
 STEP_PREFIX = "step-"
 DONE = "COMPLETE"
@@ -114,10 +112,24 @@ def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     return answer[0]
 
 
+class Restored(NamedTuple):
+    """The checkpoint a run resumed from: its folder and the loop state saved in it."""
+
+    path: Path
+    loop: dict
+
+
 def save(
-    run_dir: Path, step: int, learner, loop_state: dict, keep: int, queue: StalenessQueue | None = None
+    run_dir: Path,
+    step: int,
+    learner,
+    loop_state: dict,
+    keep: int,
+    rank_files: Callable[[Path], object] | None = None,
 ) -> Path:
-    """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints."""
+    """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints.
+
+    `rank_files(folder)`, if given, writes this rank's own files (the staleness FIFO) into the folder."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -126,8 +138,8 @@ def save(
     path.mkdir(parents=True, exist_ok=True)
     # Before dcp.save, which returns on rank 0 only once every rank's writes are done: the queue
     # shards are on disk before rank 0 lists the folder into the manifest.
-    if queue is not None:  # separate mode keeps its in-flight prompts in the loop state instead
-        queue.save(path, dist.get_rank(), dist.get_world_size())
+    if rank_files is not None:
+        rank_files(path)
     dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
     if dist.get_rank() == 0:
         state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
@@ -166,6 +178,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def mode_of(loop: dict) -> str:
+    """The rollout mode of the run that saved `loop`; checkpoints that predate the `mode` entry tell
+    it by whether they carry prompts in flight (separate mode does)."""
+    return loop.get("mode", "separate" if "in_flight" in loop else "colocated")
+
+
 def read_loop(path: Path) -> dict:
     """The loop state saved beside the shards."""
     import torch
@@ -173,14 +191,11 @@ def read_loop(path: Path) -> dict:
     return torch.load(path / LOOP, weights_only=True)
 
 
-def load(path: Path, learner, queue: StalenessQueue | None = None) -> dict:
-    """Restore the learner and this rank's queue in place; return the loop state saved beside it."""
+def load(path: Path, learner) -> dict:
+    """Restore the learner in place; return the loop state saved beside it."""
     import torch
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if queue is not None:
-        queue.load(path, dist.get_rank(), dist.get_world_size())
     state = learner.state_dict()
     dcp.load(state, checkpoint_id=str(path))
     learner.load_state_dict(state)

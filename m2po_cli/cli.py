@@ -46,7 +46,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
     problem = resolved.rollout.launch_problem(int(os.environ.get("WORLD_SIZE", "1")))
     if problem:  # before anything starts; a dry run does not know the launch
         _fail(f"{recipe}: {problem}")
-    _route_third_party(Path(resolved.run.output_dir) / resolved.run.name, verbose)
+    _route_third_party(resolved.run_dir, verbose)
     idle_threads_sleep()
     from m2po_cli.errors import RunError
     from m2po_cli.models import ModelError

@@ -259,7 +259,6 @@ class GSPOLoss(Table):
     eps_high: float = field(4e-4, "Upper clip: sequence ratios above 1 + eps_high are clipped.", gt=0)
 
 
-LOSS_TYPES = ("grpo", "no_tr", "m2po", "m2po_cap", "gspo")
 LossConfig = Annotated[GRPOLoss | NoTRLoss | M2POLoss | M2POCapLoss | GSPOLoss, Field(discriminator="type")]
 
 
@@ -273,6 +272,13 @@ class TrainConfig(Table):
         "Token budget per forward/backward: rows sorted by length, a micro-batch padded to its longest "
         "row holds at most this many tokens (a longer row goes alone); 0: no budget.",
         ge=0,
+    )
+    global_pass: Literal["auto", "score_first", "correct_after"] = field(
+        "auto",
+        "How M2PO gets its mask over the whole batch: score_first, a no-grad pass before the training "
+        "forwards; correct_after, from the training forwards under the previous update's threshold, "
+        "then a correction over the tokens that mask got wrong; auto, the cheaper one by the last "
+        "correction's size. All give the same update.",
     )
     compile: bool = field(False, "torch.compile the model.")
     activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
@@ -408,6 +414,19 @@ class Recipe(Table):
         return self.data.max_prompt_tokens + self.rollout.max_new_tokens
 
     @property
+    def staleness_bound(self) -> int:
+        """The most updates a row's policy can be behind the update that trains it: s plus the
+        batch's later mini-batch updates (fixed mode), or max_staleness (bounded mode)."""
+        if self.staleness.mode == "bounded":
+            return self.staleness.max_staleness
+        return self.staleness.s + self.updates_per_step - 1
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's directory: `run.output_dir / run.name`."""
+        return Path(self.run.output_dir) / self.run.name
+
+    @property
     def queue_batches(self) -> int:
         """K: rollout batches held in the staleness FIFO, s = K * updates_per_step."""
         return self.staleness.s // self.updates_per_step
@@ -441,7 +460,7 @@ def to_toml(recipe: Recipe) -> str:
             lines.append(f"\n[{prefix}]")
         for k, v in scalars.items():
             if v is not None:
-                lines.append(f"{k} = {_toml_value(v)}")
+                lines.append(f"{k} = {toml_value(v)}")
         for k, v in table.items():
             if isinstance(v, dict):
                 emit(f"{prefix}.{k}" if prefix else k, v)
@@ -450,12 +469,12 @@ def to_toml(recipe: Recipe) -> str:
     return "\n".join(lines).lstrip() + "\n"
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{s}"'

@@ -6,7 +6,8 @@ set, each benchmark is read from its hub dataset.
 Local files follow the schema of `shared/benchmarks` (one object a line: `id`, `problem`, `answer`,
 more fields ignored). Hub rows are mapped through the benchmark's `[hub]` field names. Either way a
 benchmark becomes a list of `EvalProblem` in file order, and `digest` names its content, so cached
-results of an edited or different copy are never reused.
+results of an edited or different copy are never reused. `BenchPlan` is one benchmark's work for
+one target: what is cached, what is skipped, and the `Job`s left to sample.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,28 @@ def _hub_problem(name: str, hub: HubSource, i: int, row: dict[str, Any]) -> Eval
         answer = answer.replace("$", "")
     problem_id = str(row[hub.id_key]) if hub.id_key is not None else f"{name}-{i}"
     return EvalProblem(problem_id, str(row[hub.problem_key]), answer)
+
+
+@dataclass
+class Job:
+    """One prompt and the sample indices it still needs."""
+
+    bench: str
+    problem: EvalProblem
+    prompt_ids: list[int]
+    samples: list[int]
+    max_tokens: int
+
+
+@dataclass
+class BenchPlan:
+    """One benchmark for one target: what is cached, what is skipped, what is left to sample."""
+
+    spec: BenchmarkSpec
+    problems: list[EvalProblem]
+    num_samples: int
+    cache: Path
+    records: dict[tuple[str, int], dict] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # problem ids whose prompt does not fit
+    clamped: int = 0  # prompts whose max_new_tokens was cut to fit the context
+    jobs: list[Job] = field(default_factory=list)

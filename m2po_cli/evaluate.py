@@ -22,7 +22,6 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,37 +31,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from m2po_cli.data import DataError
 from m2po_cli.eval_config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
-from m2po_cli.eval_data import EvalProblem, digest
+from m2po_cli.eval_data import BenchPlan, EvalProblem, Job, digest
 from m2po_cli.eval_report import markdown_table, rich_table, summarize_benchmark, summarize_target
 from m2po_cli.eval_targets import Target, TargetError, stable_hash
 from m2po_cli.grader import Grader, extract_boxed
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
-
-
-@dataclass
-class Job:
-    """One prompt and the sample indices it still needs."""
-
-    bench: str
-    problem: EvalProblem
-    prompt_ids: list[int]
-    samples: list[int]
-    max_tokens: int
-
-
-@dataclass
-class BenchPlan:
-    """One benchmark for one target: what is cached, what is skipped, what is left to sample."""
-
-    spec: BenchmarkSpec
-    problems: list[EvalProblem]
-    num_samples: int
-    cache: Path
-    records: dict[tuple[str, int], dict] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)  # problem ids whose prompt does not fit
-    clamped: int = 0  # prompts whose max_new_tokens was cut to fit the context
-    jobs: list[Job] = field(default_factory=list)
 
 
 def run(
@@ -141,7 +115,7 @@ def evaluate_target(
     graders: list[Grader],
 ) -> dict[str, Any]:
     model_dir = target.model_dir()
-    target_dir = out / f"{_slug(target.label)}-{target.identity()[:8]}"
+    target_dir = out / f"{slug(target.label)}-{target.identity()[:8]}"
     target_dir.mkdir(parents=True, exist_ok=True)
     info = {"label": target.label, "kind": target.kind, "path": target.path, "model_dir": str(model_dir)}
     (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -327,11 +301,11 @@ def run_jobs(
                     finished.extend(zip([job] * len(job.samples), job.samples, out.outputs, strict=True))
                     progress.advance(generated, len(out.outputs))
             if len(finished) >= GRADE_CHUNK or (finished and not llm.llm_engine.has_unfinished_requests()):
-                _grade_and_append(grader, finished, plans, lambda k: progress.advance(graded, k))
+                grade_and_append(grader, finished, plans, lambda k: progress.advance(graded, k))
                 finished = []
 
 
-def _grade_and_append(
+def grade_and_append(
     grader: Grader, finished: list[tuple[Job, int, Any]], plans: dict[str, BenchPlan], advance: Callable
 ) -> None:
     scores = grader.grade_many(
@@ -384,5 +358,5 @@ def _config_files(model_dir: Path) -> list:
     return [[p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in files]
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-")

@@ -149,7 +149,7 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_warning)
 
 
-def _worker_main(conn: Connection) -> None:
+def worker_main(conn: Connection) -> None:
     """Worker loop: receive `(pairs, timeout_s)`, send `(score, timed_out)` per pair, in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
@@ -318,7 +318,7 @@ class Grader:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child_conn,), daemon=True, name="m2po-grader")
+        process = self._ctx.Process(target=worker_main, args=(child_conn,), daemon=True, name="m2po-grader")
         process.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(process, parent_conn, deadline=time.monotonic() + _WORKER_START_S)

@@ -101,6 +101,11 @@ class Batch:
     def num_rows(self) -> int:
         return self.tokens_BL.shape[0]
 
+    @property
+    def advantages_BL(self) -> torch.Tensor:
+        """Each row's sequence advantage, repeated along its tokens."""
+        return self.advantages_B[:, None].expand_as(self.mask_BL)
+
 
 def micro_batches(lengths_B: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
     """Row indices of each micro-batch: rows sorted longest first, cut greedily so that a
@@ -140,7 +145,6 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0  # optimizer updates applied
         # How `update` gets a global keep mask (`m2po`): "auto", "score_first" or "correct_after".
-        self.global_pass = "auto"
         self._provisional_z = math.inf  # the previous update's mask threshold (`mask_correction`)
         self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
 
@@ -244,7 +248,7 @@ class Learner:
         the global `num_tokens`, so the gradient is the token mean whatever the grouping. A loss
         with a global mask gets it either from a no-grad pass run first (`score_first`) or from the
         training forwards themselves, with a correction afterwards (`correct_after`); both give the
-        same gradient and metrics. `self.global_pass` picks one (`auto`: the cheaper one, judged by
+        same gradient and metrics. `train.global_pass` picks one (`auto`: the cheaper one, judged by
         what the previous update's correction cost).
         """
         if loss_fn.keep_mask_aux and self._correct_after():
@@ -263,11 +267,11 @@ class Learner:
         return out
 
     def _correct_after(self) -> bool:
-        if self.global_pass == "auto":
+        if self.recipe.train.global_pass == "auto":
             # A correction of share f costs a forward and backward over f of the tokens (~3f
             # forwards); the no-grad pass one forward.
             return 3 * self._correction_frac <= 1
-        return self.global_pass == "correct_after"
+        return self.recipe.train.global_pass == "correct_after"
 
     def _update_score_first(
         self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
@@ -279,7 +283,7 @@ class Learner:
             current_BL, _ = self.score(batch)
             log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
             aux_BL, global_metrics = loss_fn.prepare(
-                log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
+                log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD
             )
             metrics.update(global_metrics)
             if loss_fn.keep_mask_aux:  # what `correct_after` would have cost, for `auto`
@@ -316,21 +320,19 @@ class Learner:
             loss.backward()
         log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
         keep_BL, metrics = loss_fn.prepare(
-            log_ratio_BL, _advantages_BL(batch), batch.mask_BL, group=dist.group.WORLD
+            log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD
         )
         metrics["m2po/correction_frac"] = self._correct(
             batch, log_ratio_BL, keep_BL, provisional_BL, num_tokens
         )
         self._provisional_z = float(metrics["m2po/threshold"])
         with torch.no_grad():
-            args = (batch.behaviour_logprobs_BL, _advantages_BL(batch), batch.mask_BL, keep_BL, num_tokens)
+            args = (batch.behaviour_logprobs_BL, batch.advantages_BL, batch.mask_BL, keep_BL, num_tokens)
             loss, m = loss_fn(current_BL, *args)
         return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
 
     def _provisional_keep(self, log_ratio_BL: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return provisional_keep(
-            log_ratio_BL, _advantages_BL(batch), batch.mask_BL.bool(), self._provisional_z
-        )
+        return provisional_keep(log_ratio_BL, batch.advantages_BL, batch.mask_BL.bool(), self._provisional_z)
 
     def _correct(
         self,
@@ -355,7 +357,7 @@ class Learner:
         self._correction_frac = float(share)
         if not run:
             return share[0]
-        weight_KL = correction_weights(change_BL, log_ratio_BL, _advantages_BL(batch), num_tokens)[rows_K]
+        weight_KL = correction_weights(change_BL, log_ratio_BL, batch.advantages_BL, num_tokens)[rows_K]
         mask_KL = (change_BL[rows_K] != 0).float()  # only the changed tokens are scored
         fix = Batch(batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K)
         for index, _, lp in self._forwards(fix):
@@ -367,7 +369,7 @@ class Learner:
         return loss_fn(
             lp,
             part.behaviour_logprobs_BL.to(self.device),
-            _advantages_BL(part).to(self.device),
+            part.advantages_BL.to(self.device),
             part.mask_BL.to(self.device),
             aux,
             num_tokens,
@@ -544,11 +546,6 @@ _IDLE = Batch(
     torch.zeros(1),
     torch.tensor([2]),
 )
-
-
-def _advantages_BL(batch: Batch) -> torch.Tensor:
-    """Each row's sequence advantage, repeated along its tokens."""
-    return batch.advantages_B[:, None].expand_as(batch.mask_BL)
 
 
 def _add(totals: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from m2po_cli.server import EngineError, EngineServer, _free_port
+from m2po_cli.server import EngineError, EngineServer, free_port
 from m2po_cli.weight_transport import WeightTransport
 
 PACKED_BUFFER_BYTES = 2**30
@@ -47,7 +47,7 @@ class FanOutClient:
 
     def _all(self, route: str, bodies: list[dict | None]) -> None:
         futures = [
-            self.pool.submit(s._post, route, json=body) for s, body in zip(self.servers, bodies, strict=True)
+            self.pool.submit(s.post, route, json=body) for s, body in zip(self.servers, bodies, strict=True)
         ]
         for f in futures:
             f.result()
@@ -103,7 +103,7 @@ class NcclWeightTransport(WeightTransport):
         world_sizes = [s.world_size() for s in servers] if servers else []
         info = NCCLTrainerInitInfo(
             master_address=_address_for(servers or []),
-            master_port=_free_port() if rank == 0 else 0,
+            master_port=free_port() if rank == 0 else 0,
             world_size=1 + sum(world_sizes),
             packed=True,
             packed_buffer_size_bytes=PACKED_BUFFER_BYTES,

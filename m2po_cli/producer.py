@@ -139,11 +139,10 @@ class RolloutProducer:
                 "perf/engine_idle_frac": max(0.0, 1.0 - busy / wall),
                 "perf/learner_idle_frac": min(1.0, self._learner_wait_s / wall),
                 "perf/samples_per_s": self._num_samples / wall,
-                "perf/rollout_tokens_per_s": self._num_tokens / wall,
+                "rollout/generated_tokens": float(self._num_tokens),
                 "rollout/in_flight": float(len(self.running)),
                 "rollout/buffered": float(len(self.done)),
                 "rollout/regenerated": float(self._regenerated),
-                "rollout/dropped": 0.0,  # admission bounds staleness; see the module docstring
             }
             self._t_metrics, self._busy_s = now, 0.0
             self._busy_since = now if self.running else None

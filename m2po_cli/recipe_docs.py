@@ -17,7 +17,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from m2po_cli.config import Recipe, Table, _toml_value
+from m2po_cli.config import Recipe, Table, toml_value
 
 INTRO = """\
 <!-- Generated from m2po_cli/config.py by `python -m m2po_cli.recipe_docs > docs/recipes.md`; do not edit. -->
@@ -111,7 +111,7 @@ def _type(ann: Any) -> str:
     if ann in _SCALARS:
         return _SCALARS[ann]
     if get_origin(ann) is Literal:
-        return ", ".join(f"`{_toml_value(v)}`" for v in get_args(ann))
+        return ", ".join(f"`{toml_value(v)}`" for v in get_args(ann))
     if get_origin(ann) is tuple:
         items = get_args(ann)
         return f"array of {len(items)} {_type(items[0])}s"
@@ -130,7 +130,7 @@ def _default(info: FieldInfo) -> str:
         return "required"
     if info.default is None:
         return "unset"
-    return f"`{_toml_value(info.default)}`"
+    return f"`{toml_value(info.default)}`"
 
 
 def _constraints(info: FieldInfo) -> str:

@@ -13,6 +13,7 @@ Layout of `runs/<name>/`:
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -46,6 +47,20 @@ def git_revision() -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+def forget_steps_from(path: Path, first_step: int) -> list[dict]:
+    """Keep only the records of steps before `first_step` in a JSON-lines log of the run (a resumed
+    run redoes the others); return them. Text after the last newline is a line a kill cut short, and
+    goes too. The file is replaced whole (a new file, then a rename), so a kill now loses nothing."""
+    if not path.exists():
+        return []
+    whole = path.read_text().split("\n")[:-1]
+    kept = [line for line in whole if json.loads(line)["step"] < first_step]
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_text("".join(line + "\n" for line in kept))
+    os.replace(fresh, path)
+    return [json.loads(line) for line in kept]
 
 
 class RunLog:
@@ -85,11 +100,8 @@ class RunLog:
 
     def start(self, first_step: int) -> None:
         """Begin the display; drop metrics lines past `first_step` left by a killed run."""
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] < first_step]
-            path.write_text("".join(f"{line}\n" for line in kept))
-            self.rewards = [json.loads(line)["rollout/reward_mean"] for line in kept]
+        kept = forget_steps_from(self.run_dir / "metrics.jsonl", first_step)
+        self.rewards = [record["rollout/reward_mean"] for record in kept]
         if self.recipe.logging.console == "rich":
             self.progress = Progress(
                 TextColumn("[bold]step"),
@@ -148,6 +160,12 @@ class RunLog:
             f"reward, mean over the first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
             f"({last - first:+.3f} over {len(r)} steps)"
         )
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.progress is not None:

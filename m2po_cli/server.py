@@ -34,7 +34,7 @@ class EngineError(RuntimeError):
     """The rollout server failed or disagrees with the learner; the message says which and how."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -118,7 +118,7 @@ class EngineServer:
         """Start `vllm serve` on a free local port, its output in `log_path`; wait until it answers.
 
         `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
-        port = _free_port()
+        port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -153,7 +153,7 @@ class EngineServer:
 
     # --- control routes ---------------------------------------------------------------------------
 
-    def _post(self, route: str, **kw) -> httpx.Response:
+    def post(self, route: str, **kw) -> httpx.Response:
         try:
             response = self.http.post(route, **kw)
         except httpx.TransportError as e:
@@ -166,17 +166,17 @@ class EngineServer:
 
     def pause(self) -> None:
         """Abort every request in flight and stop scheduling until `resume()`; clears the KV cache."""
-        self._post("/pause", params={"mode": "abort", "clear_cache": "true"})
+        self.post("/pause", params={"mode": "abort", "clear_cache": "true"})
 
     def resume(self) -> None:
-        self._post("/resume")
+        self.post("/resume")
 
     def load_weights(self, weights_dir: Path) -> None:
         """Reload every worker from the safetensors files in `weights_dir` (HF names)."""
-        self._post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
+        self.post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
 
     def reset_prefix_cache(self) -> None:
-        self._post("/reset_prefix_cache")
+        self.post("/reset_prefix_cache")
 
     def world_size(self) -> int:
         """The engine's GPU workers (tensor x pipeline x data parallel): its ranks in a weight transfer."""
@@ -186,7 +186,7 @@ class EngineServer:
             raise EngineError(f"rollout server {self.url}/get_world_size: {e}") from None
 
     def set_version(self, version: int) -> None:
-        self._post("/update_weight_version", json={"new_version": str(version)})
+        self.post("/update_weight_version", json={"new_version": str(version)})
 
     def weight_version(self) -> str:
         try:
@@ -209,7 +209,7 @@ class EngineServer:
         for seq in sequences:
             body = {"model": SERVED_NAME, "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0,
                     "temperature": 1.0}  # fmt: skip
-            entries = self._post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+            entries = self.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
             out.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], seq[1:], strict=True)])
         return out
 

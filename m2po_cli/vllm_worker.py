@@ -52,7 +52,7 @@ class WeightSync:
     def m2po_load_weights_from(self, model_dir: str, version: int = 0) -> int:
         """Load the `*.safetensors` files of an HF model directory (same architecture as the engine's),
         one tensor at a time."""
-        return self.m2po_reload(_safetensors_items(Path(model_dir)), version)
+        return self.m2po_reload(safetensors_items(Path(model_dir)), version)
 
     def m2po_version(self) -> int:
         """The version stamped by the last completed reload (0: the weights the engine started with;
@@ -63,7 +63,7 @@ class WeightSync:
         torch.manual_seed(seed)
 
 
-def _safetensors_items(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_items(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for shard in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

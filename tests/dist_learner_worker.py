@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from m2po_cli.colocated import score_at_behaviour_version
 from m2po_cli.config import load_recipe
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
@@ -19,7 +20,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.record import Recorder
 from m2po_cli.rollout import Completion
-from m2po_cli.train import _score_at_behaviour_version, rows_per_update, train_on
+from m2po_cli.updates import rows_per_update, train_on
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 OVERRIDES = [
@@ -72,7 +73,7 @@ def main(out: Path) -> None:
         if learner.rank != 0:
             batch = PackedRollouts.empty(batch.version)
         batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
-        _score_at_behaviour_version(batch, learner, everything=True)
+        score_at_behaviour_version(batch, learner, everything=True)
         scored.append(
             {"row_B": batch.row_B, "learner_R": batch.learner_R, "offsets": batch.response_offsets()}
         )

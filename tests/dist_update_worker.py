@@ -66,13 +66,12 @@ def update_noise(batch: Batch, update: int) -> torch.Tensor:
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    recipe = load_recipe(QUICKSTART, OVERRIDES)
-    model_dir = resolve_model(recipe.model.path)
-    loss_fn = build_loss(recipe.loss)
+    loss_fn = build_loss(load_recipe(QUICKSTART, OVERRIDES).loss)
     results = {}
     for name, provisional_z in CASES.items():
+        recipe = load_recipe(QUICKSTART, [*OVERRIDES, f'train.global_pass="{name.split()[0]}"'])
+        model_dir = resolve_model(recipe.model.path)
         learner = Learner(model_dir, recipe)
-        learner.global_pass = name.split()[0]
         if provisional_z is not None:
             learner._provisional_z = provisional_z
         whole = whole_batch(learner.arch.hf_config["vocab_size"])

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.data import PromptBatches, load_problems
+from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.runlog import RunLog
@@ -47,8 +48,10 @@ def _save_steps(run: Path, learner: Learner, prompts: PromptBatches, steps: list
             for p in learner.model.parameters():
                 p.to_local().add_(0.1)
         next(prompts)
-        loop = {"step": step, "data": prompts.state_dict()}
-        checkpoint.save(run, step, learner, loop, keep=5, queue=StalenessQueue(0))
+        loop = {"step": step, "mode": "colocated", "data": prompts.state_dict()}
+        checkpoint.save(
+            run, step, learner, loop, keep=5, rank_files=lambda folder: StalenessQueue(0).save(folder, 0, 1)
+        )
         weights[step] = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
     return weights
 
@@ -92,13 +95,14 @@ def test_resume_falls_back_past_a_damaged_newest_step(tiny, tmp_path, capsys, ki
     assert reason in checkpoint.verify(checkpoint.step_dir(run, 4))
 
     log = RunLog(run, recipe, 1)
-    done = resume(run, recipe, learner, StalenessQueue(0), prompts, None, log)
-    assert done == 2
+    done, restored = resume(run, recipe, learner, prompts, log)
+    assert done == 2 and restored.path == checkpoint.step_dir(run, 2)
     assert prompts.state_dict() == position_at_2
-    restored = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
-    assert all(torch.equal(restored[k], weights[2][k]) for k in restored)
-    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert "step-000004" in line and reason in line
+    now = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
+    assert all(torch.equal(now[k], weights[2][k]) for k in now)
+    skipped, resumed = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert "step-000004" in skipped and reason in skipped
+    assert resumed.endswith("resumed at step 2, policy version 0")
 
 
 def test_a_step_without_complete_is_ignored_quietly(tiny, tmp_path, capsys):
@@ -106,8 +110,34 @@ def test_a_step_without_complete_is_ignored_quietly(tiny, tmp_path, capsys):
     run = tmp_path / "tiny"
     _save_steps(run, learner, prompts, [2, 4])
     (checkpoint.step_dir(run, 4) / checkpoint.DONE).unlink()  # killed while saving
-    assert resume(run, recipe, learner, StalenessQueue(0), prompts, None, RunLog(run, recipe, 1)) == 2
-    assert capsys.readouterr().err.strip() == ""
+    assert resume(run, recipe, learner, prompts, RunLog(run, recipe, 1))[0] == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]  # nothing on step 4
+    assert line.endswith("resumed at step 2, policy version 0")
+
+
+@pytest.mark.parametrize("saved", ["separate", "legacy separate"])
+def test_a_checkpoint_of_the_other_mode_is_refused_before_anything_loads(tiny, tmp_path, saved):
+    """The mode is recorded in `loop.pt`; a checkpoint from before that record tells it by its
+    prompts in flight. Resuming it in the other mode stops in one line naming both, weights untouched."""
+    learner, recipe, prompts = tiny
+    run = tmp_path / "tiny"
+    loop = {"step": 2, "data": prompts.state_dict(), "in_flight": [], "fresh": []}
+    if saved == "separate":
+        loop["mode"] = "separate"
+    checkpoint.save(run, 2, learner, loop, keep=5)
+    before = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.to_local().add_(0.1)
+    moved = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+    with pytest.raises(RunError) as caught:
+        resume(run, recipe, learner, prompts, None)
+    message = str(caught.value)
+    assert "\n" not in message and str(checkpoint.step_dir(run, 2)) in message
+    assert "separate-mode run" in message and "rollout.mode = separate" in message
+    now = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
+    assert all(torch.equal(now[k], moved[k]) for k in now), "resume loaded the other mode's weights"
+    assert not all(torch.equal(now[k], before[k]) for k in now)
 
 
 def test_eval_rejects_a_damaged_step_in_one_line(tiny, tmp_path):

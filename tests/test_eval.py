@@ -19,10 +19,10 @@ from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, ConfigError, to_toml
 from m2po_cli.eval_config import EVALS_DIR, load_benchmarks, load_eval_config
-from m2po_cli.eval_data import EvalProblem, load_problems
+from m2po_cli.eval_data import BenchPlan, EvalProblem, Job, load_problems
 from m2po_cli.eval_report import pass_at_k, pass_ks
 from m2po_cli.eval_targets import Target, TargetError, export_step, resolve_targets
-from m2po_cli.evaluate import BenchPlan, Job, _grade_and_append, plan_target, read_records
+from m2po_cli.evaluate import grade_and_append, plan_target, read_records
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
 from m2po_cli.staleness import StalenessQueue
@@ -271,7 +271,7 @@ def test_prompts_that_do_not_fit_are_skipped_and_long_responses_clamped(tmp_path
 
 @dataclass
 class FakeCompletion:
-    """What `_grade_and_append` reads of a vLLM CompletionOutput."""
+    """What `grade_and_append` reads of a vLLM CompletionOutput."""
 
     text: str
     token_ids: list[int]
@@ -303,7 +303,7 @@ def test_adversarial_outputs_never_crash_or_hang_the_eval_path(tmp_path):
     graded = []
     start = time.monotonic()
     with Grader(num_workers=2, timeout_s=1.0) as grader:
-        _grade_and_append(grader, finished, {"amc23": plan}, graded.append)
+        grade_and_append(grader, finished, {"amc23": plan}, graded.append)
     assert time.monotonic() - start < 60  # two 1 s time-outs, plus the workers' start-up
     assert graded == [len(ADVERSARIAL)]
     records = read_records(plan.cache)

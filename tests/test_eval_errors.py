@@ -17,7 +17,7 @@ from m2po_cli.cli import main
 from m2po_cli.eval_config import EVALS_DIR, load_benchmarks, load_eval_config
 from m2po_cli.eval_data import load_problems
 from m2po_cli.eval_targets import resolve_targets
-from m2po_cli.evaluate import _slug, plan_target
+from m2po_cli.evaluate import plan_target, slug
 from m2po_cli.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def _cache_every_sample(model: Path, out: Path) -> Path:
     specs = load_benchmarks(["aime24"])
     problems = {"aime24": load_problems(specs[0], BENCHMARKS)}
     (target,) = resolve_targets([str(model)], all_checkpoints=False)
-    target_dir = out / f"{_slug(target.label)}-{target.identity()[:8]}"
+    target_dir = out / f"{slug(target.label)}-{target.identity()[:8]}"
     target_dir.mkdir(parents=True)
     (plan,) = plan_target(target, target.model_dir(), specs, problems, cfg.protocol, target_dir, 1)
     records = [

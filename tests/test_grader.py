@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from m2po_cli.grader import Grader, _worker_main, extract_boxed, grade
+from m2po_cli.grader import Grader, extract_boxed, grade, worker_main
 
 BENCHMARKS = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
 BENCHMARK_FILES = sorted(BENCHMARKS.glob("*.jsonl"))
@@ -217,7 +217,7 @@ def test_worker_of_a_pool_closed_while_it_started_exits_quietly(capfd):
     """A rank's pool closed before its workers were ready (a short run, a failed start) prints nothing."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    worker = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+    worker = ctx.Process(target=worker_main, args=(child,), daemon=True)
     worker.start()
     child.close()
     parent.close()  # before the worker, still importing sympy, reports ready

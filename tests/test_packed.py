@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from m2po_cli import logprobs as logprobs_module
+from m2po_cli.colocated import engine_share, sampling_seed
 from m2po_cli.learner import Learner, micro_batches
 from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.loss import build_loss
@@ -13,7 +14,6 @@ from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.rollout import Completion
 from m2po_cli.staleness import StalenessQueue
-from m2po_cli.train import _seed, engine_share
 from tests.conftest import recipe_for
 from tests.tolerances import adam_weight_bounds, max_gap, within
 
@@ -99,8 +99,8 @@ def test_engine_shares_split_the_prompts_like_tensor_split():
             )
     # One process: one engine samples the whole batch with the seed it always had.
     assert engine_share(0, 1, 1, 32) == (0, range(32))
-    assert _seed(0, 5) == _seed(0, 5, 0) == (5 + 1_000) * 10_007
-    assert len({_seed(3, i, g) for i in range(50) for g in range(8)}) == 400
+    assert sampling_seed(0, 5) == sampling_seed(0, 5, 0) == (5 + 1_000) * 10_007
+    assert len({sampling_seed(3, i, g) for i in range(50) for g in range(8)}) == 400
 
 
 def test_distribute_on_one_rank_keeps_everything():
@@ -203,7 +203,6 @@ def test_update_does_not_depend_on_micro_batching(learner, global_pass):
     rows = pack.to_batch(torch.arange(pack.num_rows))
     start = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
     schedule = learner.scheduler.state_dict()
-    learner.global_pass = global_pass
     full = lambda: {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}  # noqa: E731
     loss_fn = build_loss(learner.recipe.loss)
     num_tokens = int(rows.mask_BL.sum())
@@ -211,7 +210,7 @@ def test_update_does_not_depend_on_micro_batching(learner, global_pass):
     for train in [{"micro_batch_sequences": 16}, {"micro_batch_sequences": 3, "micro_batch_tokens": 24}]:
         learner.model.load_state_dict(start)
         learner.recipe = learner.recipe.model_copy(
-            update={"train": learner.recipe.train.model_copy(update=train)}
+            update={"train": learner.recipe.train.model_copy(update={**train, "global_pass": global_pass})}
         )
         learner.optimizer.state.clear()
         learner.scheduler.load_state_dict(schedule)  # the same learning rate for both

@@ -97,7 +97,7 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
         trained_at = [r["version"] + j // PER_STEP for j in range(PER_STEP)]
         assert all(0 <= t - v <= MAX_STALENESS for t, v in zip(trained_at, r["versions"], strict=True))
     steps = records(run_dir, "metrics.jsonl")
-    assert all(m["staleness/max"] <= MAX_STALENESS and m["rollout/dropped"] == 0 for m in steps)
+    assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
     assert any(m["staleness/max"] > 0 for m in steps), "the engine never ran ahead of the learner"
 
 

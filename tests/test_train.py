@@ -35,18 +35,18 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_staleness_is_exactly_s_after_warm_up(uninterrupted):
+    """A row's staleness is counted at the update that trains it: a batch's first mini-batch is s
+    updates behind, its second s + 1."""
     rows = metrics(uninterrupted)
     assert [r["step"] for r in rows] == list(range(6))
     s, updates, k = 4, 2, 2
     for r in rows:
         step = r["step"]
         assert r["optim/version"] == (step + 1) * updates
-        if step <= k:  # warm-up batches and the first batch: all from the initial policy
-            assert r["staleness/behaviour_version"] == 0
-            assert r["staleness/max"] == step * updates
-        else:
-            assert r["staleness/min"] == r["staleness/max"] == s
-            assert r["staleness/behaviour_version"] == step * updates - s
+        first = step * updates if step <= k else s  # warm-up batches and the first: the initial policy
+        assert r["staleness/behaviour_version"] == step * updates - first
+        assert (r["staleness/min"], r["staleness/max"]) == (first, first + updates - 1)
+        assert r["staleness/mean"] == first + (updates - 1) / 2
 
 
 def test_run_directory_describes_itself(uninterrupted):

@@ -64,7 +64,7 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
     from m2po_cli.loss import build_loss
     from m2po_cli.nccl_transport import NcclWeightTransport
     from m2po_cli.server import EngineServer, swap_weights
-    from m2po_cli.train import train_on
+    from m2po_cli.updates import train_on
     from tests.conftest import no_record
     from tests.test_server import HTTPEngine, probe
     from tests.test_weight_sync import logprob_gap, sampled_batch

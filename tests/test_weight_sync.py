@@ -15,7 +15,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.packed import PackedRollouts, pack_groups
 from m2po_cli.record import Recorder
 from m2po_cli.rollout import Completion, VLLMEngine
-from m2po_cli.train import train_on
+from m2po_cli.updates import train_on
 from tests.conftest import recipe_for
 
 pytestmark = pytest.mark.slow
@@ -95,11 +95,11 @@ def test_push_makes_engine_match_learner(model, tmp_path):
 def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
     """The in-place push agrees with vLLM's own reload, also right after one, and refuses a push that
     leaves a layer or a parameter without new weights."""
-    from m2po_cli.vllm_worker import _safetensors_items
+    from m2po_cli.vllm_worker import safetensors_items
 
     recipe = recipe_for(tmp_path, 'model.path="builtin:tiny-qwen3"')
     model_dir = resolve_model("builtin:tiny-qwen3")
-    start = list(_safetensors_items(model_dir))
+    start = list(safetensors_items(model_dir))
     gen = torch.Generator().manual_seed(0)
     moved = [(name, t + 0.05 * torch.randn(t.shape, generator=gen)) for name, t in start]
     engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)

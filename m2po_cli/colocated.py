@@ -1,0 +1,241 @@
+"""Colocated rollouts: every rank holds a vLLM engine beside its learner, and the two alternate.
+
+Groups of `rollout.tensor_parallel_size` consecutive ranks share one engine. Each engine samples its
+own contiguous share of a rollout batch's prompts; the first rank of its group grades and packs those
+rows, and `packed.distribute` sends every rank only the rows it trains. The staleness FIFO delays
+every batch by exactly `s` updates (the paper's mechanism); the weights go to the engines after a
+step's last update, which wakes them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from m2po_cli.checkpoint import Restored
+from m2po_cli.config import Recipe
+from m2po_cli.data import PromptBatches
+from m2po_cli.device import resolve_dtype
+from m2po_cli.errors import RunError
+from m2po_cli.grader import Grader, grader_workers
+from m2po_cli.learner import Learner
+from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.record import Recorder
+from m2po_cli.rollout import RolloutEngine, VLLMEngine
+from m2po_cli.runlog import RunLog
+from m2po_cli.staleness import StalenessQueue
+from m2po_cli.updates import all_reduce, rows_per_update
+
+# Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
+MISMATCH_SAMPLE_ROWS = 4
+
+
+class ColocatedSource:
+    """Rollouts from this rank's engine through the staleness FIFO (`RolloutSource` of `train`)."""
+
+    mode = "colocated"
+
+    @staticmethod
+    def check(recipe: Recipe, world: int) -> None:
+        """Cheap checks before anything starts."""
+        problem = recipe.rollout.launch_problem(world)
+        if problem:
+            raise RunError(problem)
+
+    def __init__(
+        self,
+        model_dir: Path,
+        recipe: Recipe,
+        learner: Learner,
+        prompts: PromptBatches,
+        recorder: Recorder,
+        log: RunLog | None,
+        restored: Restored | None,
+    ):
+        self.recipe, self.learner, self.prompts, self.recorder = recipe, learner, prompts, recorder
+        self.queue = StalenessQueue(recipe.queue_batches)
+        self._stack = ExitStack()
+        try:
+            self.grader = None
+            if learner.rank % recipe.rollout.tensor_parallel_size == 0:  # grades the rows its engine samples
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // recipe.rollout.tensor_parallel_size
+                self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(max(1, local))))
+            self.engine = build_engine(model_dir, recipe, learner.world, log)
+            self._stack.callback(self.engine.close)
+            if restored is not None:
+                self.queue.load(restored.path, learner.rank, learner.world)
+                sync_weights(learner, self.engine)  # the engine still holds the initial weights
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def start(self, first_step: int) -> None:
+        """Fill the FIFO with its K warm-up batches, from the initial policy (not counted as steps)."""
+        while not self.queue.warm:
+            self.queue.push(self._rollout(len(self.queue.queue) - self.recipe.queue_batches))
+
+    def next_batch(self, step: int) -> PackedRollouts:
+        """Generate this step's batch, hand back the one generated K steps ago; the engine sleeps
+        (the learner gets the device) until the push after the step's last update wakes it."""
+        self.queue.push(self._rollout(step))
+        batch = self.queue.pop()
+        self.engine.sleep()
+        return batch
+
+    def after_update(self, learner: Learner) -> None:
+        """The engine samples again only after a step's last update, so the push waits for it."""
+        if learner.version % self.recipe.updates_per_step == 0:
+            sync_weights(learner, self.engine)
+
+    def state(self) -> dict:
+        return {"data": self.prompts.state_dict()}
+
+    def save(self, folder: Path) -> None:
+        """This rank's FIFO, beside the learner's shards."""
+        self.queue.save(folder, self.learner.rank, self.learner.world)
+
+    def take_metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> ColocatedSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _rollout(self, index: int) -> PackedRollouts:
+        return rollout(
+            self.engine, self.grader, self.prompts, self.learner, self.recipe, self.recorder, index
+        )
+
+
+def rollout(
+    engine: RolloutEngine,
+    grader: Grader | None,
+    prompts: PromptBatches,
+    learner: Learner,
+    recipe: Recipe,
+    recorder: Recorder,
+    index: int,
+) -> PackedRollouts:
+    """Sample and grade rollout step `index`'s batch with the current policy (each engine its share),
+    give each rank its rows; trained at step `index + K`. Its rows are all scored at the behaviour
+    version when they are the behaviour logprobs or when that step is recorded."""
+    prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
+    batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
+    batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
+    recorded = recorder.due(index + recipe.queue_batches)
+    score_at_behaviour_version(batch, learner, recipe.algorithm.behaviour_logprobs == "learner" or recorded)
+    return batch
+
+
+def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
+    """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
+    ColocatedSource.check(recipe, world)
+    return VLLMEngine(
+        model_dir,
+        recipe.rollout,
+        resolve_dtype(recipe.model.dtype),
+        recipe.max_model_len,
+        world=world,
+        log=log.message if log is not None else None,
+    )
+
+
+def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
+    """Stream the learner's weights into this rank's engine; every rank at once (a collective)."""
+    if engine is not None:
+        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
+
+
+def engine_share(rank: int, world: int, tp: int, num_prompts: int) -> tuple[int, range]:
+    """This rank's engine group (`tp` consecutive ranks) and the prompts it samples: the `world / tp`
+    groups take contiguous shares, the first ones one prompt longer when uneven (`torch.tensor_split`)."""
+    group = rank // tp
+    size, extra = divmod(num_prompts, world // tp)
+    start = group * size + min(group, extra)
+    return group, range(start, start + size + (group < extra))
+
+
+def generate_share(
+    engine: RolloutEngine, grader, prompt_batch: list, learner: Learner, recipe: Recipe, index: int
+) -> PackedRollouts:
+    """This engine's share of the batch: sampled by every rank of its group (vLLM's external
+    launcher needs the same prompts on each), graded and packed by the group's first rank, the
+    others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
+    are the slowest engine's (`time/generate`) and the slowest grader's (`time/grade`), the tokens
+    every engine's (`rollout/generated_tokens`).
+    """
+    tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
+    engine_group, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
+    mine = [prompt_batch[i] for i in share]
+    tokens = [p.token_ids for p in mine]
+    batch = PackedRollouts.empty(learner.version)
+    t0 = time.perf_counter()
+    groups = engine.generate(tokens, sampling_seed(recipe.run.seed, index, engine_group)) if mine else []
+    t_gen = time.perf_counter() - t0
+    if mine and learner.rank % tp == 0:
+        golds = [p.problem.answer for p in mine for _ in range(n)]
+        rewards = grader.grade_many([c.text for group in groups for c in group], golds)
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(mine), n)
+        a = recipe.algorithm
+        batch = pack_groups(
+            learner.version, share.start * n, tokens, groups, rewards_PG, a.normalize_std, a.std_eps
+        )
+    t_grade = time.perf_counter() - t0 - t_gen
+    slowest = all_reduce(torch.tensor([t_gen, t_grade], dtype=torch.float64), dist.ReduceOp.MAX)
+    generated = all_reduce(
+        torch.tensor([float(batch.response_len_B.sum())], dtype=torch.float64), dist.ReduceOp.SUM
+    )
+    batch.meta = {
+        "time/generate": float(slowest[0]),
+        "time/grade": float(slowest[1]),
+        "rollout/generated_tokens": float(generated[0]),
+    }
+    return batch
+
+
+def score_at_behaviour_version(batch: PackedRollouts, learner: Learner, everything: bool) -> None:
+    """The learner's logprobs of this rank's rows at the version that generated them, and the
+    engine-vs-learner mismatch metrics. A collective.
+
+    With `everything` every row is scored and kept as `learner_R`; otherwise only a sample of
+    `MISMATCH_SAMPLE_ROWS` rows per rank is scored, for the metrics alone.
+    """
+    num = batch.num_rows if everything else min(MISMATCH_SAMPLE_ROWS, batch.num_rows)
+    index = (
+        torch.linspace(0, batch.num_rows - 1, num).round().long() if num else torch.zeros(0, dtype=torch.long)
+    )
+    rows = batch.to_batch(torch.arange(batch.num_rows) if everything else index)
+    t0 = time.perf_counter()
+    logprobs_BL, entropy_BL = learner.score(rows, with_entropy=True)
+    mask_BL = rows.mask_BL.bool()
+    if everything:
+        batch.learner_R = logprobs_BL[mask_BL]
+    diff_BL = (logprobs_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL
+    sums = torch.stack([diff_BL.sum(), rows.mask_BL.sum(), (entropy_BL * rows.mask_BL).sum()]).double()
+    largest = diff_BL.max() if diff_BL.numel() else torch.zeros(())
+    sums, largest = all_reduce(sums, dist.ReduceOp.SUM), all_reduce(largest, dist.ReduceOp.MAX)
+    n = sums[1].clamp(min=1)
+    batch.meta.update(
+        {
+            "rollout/logprob_mismatch_mean": float(sums[0] / n),
+            "rollout/logprob_mismatch_max": float(largest),
+            "rollout/entropy": float(sums[2] / n),
+            "time/score": time.perf_counter() - t0,
+        }
+    )
+
+
+def sampling_seed(run_seed: int, index: int, engine_group: int = 0) -> int:
+    """The sampling seed of one engine for rollout step `index`: fixed by the run's seed, so a resumed
+    run samples what the uninterrupted one did; engine group 0 has the one-engine run's seed."""
+    return (run_seed * 1_000_003 + (index + 1_000) * 10_007 + engine_group * 1_000_000_007) % 2**31

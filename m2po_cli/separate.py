@@ -1,0 +1,225 @@
+"""Separate rollouts: vLLM engines in their own processes generate while the learner trains.
+
+Rank 0 owns the rollout servers (started here or attached), the producer thread and the grader;
+every rank trains its slice of each optimizer batch and takes part in the weight transport. One
+step takes `prompts_per_step` finished groups, oldest version first; the engines get the weights
+every `rollout.sync_every` updates. No group is trained more than `staleness.max_staleness`
+updates after the policy that generated it (the producer's admission keeps the bound).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from m2po_cli.checkpoint import Restored
+from m2po_cli.config import Recipe
+from m2po_cli.data import PromptBatches
+from m2po_cli.device import resolve_dtype, torch_dtype
+from m2po_cli.grader import Grader, grader_workers
+from m2po_cli.learner import Learner
+from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.producer import Group, RolloutProducer
+from m2po_cli.record import Recorder
+from m2po_cli.runlog import RunLog, forget_steps_from
+from m2po_cli.server import EngineServer
+from m2po_cli.updates import rows_per_update
+from m2po_cli.weight_transport import ShmWeightTransport, WeightTransport, resolve_transport
+
+TRAINED_LOG = "trained_prompts.jsonl"
+
+
+class SeparateSource:
+    """Rollouts from `vllm serve` engines through the producer (`RolloutSource` of `train`)."""
+
+    mode = "separate"
+
+    @staticmethod
+    def check(recipe: Recipe, world: int) -> None:
+        """Cheap checks before anything starts: nccl without CUDA stops here."""
+        resolve_transport(recipe.rollout.weight_transport)
+
+    def __init__(
+        self,
+        model_dir: Path,
+        recipe: Recipe,
+        learner: Learner,
+        prompts: PromptBatches,
+        recorder: Recorder,
+        log: RunLog | None,
+        restored: Restored | None,
+    ):
+        self.recipe, self.learner, self.log = recipe, learner, log
+        self.run_dir = recipe.run_dir
+        self.producer: RolloutProducer | None = None
+        self.grader: Grader | None = None
+        self._stack = ExitStack()  # closes what set-up started, whichever step fails
+        try:
+            if log is not None:
+                self._start_producer(model_dir, prompts, restored)
+            self.transport = make_transport(recipe, learner, self.producer)
+            self._stack.callback(self.transport.close)
+            if log is not None and self.transport.swept:
+                log.message(
+                    f"removed {len(self.transport.swept)} weight folders of killed runs from shared memory"
+                )
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start_producer(self, model_dir: Path, prompts: PromptBatches, restored: Restored | None) -> None:
+        """Rank 0: the servers, the producer (with the prompts a checkpoint had in flight) and the grader."""
+        recipe, log = self.recipe, self.log
+        loop = restored.loop if restored is not None else {"step": 0, "in_flight": [], "fresh": []}
+        carried = {k: [(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")}
+        if carried["in_flight"]:
+            log.message(f"regenerating {len(carried['in_flight'])} prompts that were in flight")
+        forget_steps_from(self.run_dir / TRAINED_LOG, loop["step"])
+        servers = start_servers(recipe, model_dir, self.run_dir, self.learner.world, log.message)
+        for server in servers:
+            self._stack.callback(server.close)
+        self.producer = RolloutProducer(
+            servers,
+            prompts,
+            recipe.rollout,
+            recipe.prompts_per_update,
+            recipe.staleness.max_staleness,
+            self.learner.version,
+            **carried,
+        )
+        self._stack.callback(self.producer.stop)
+        self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(1)))  # rank 0 grades alone
+
+    def start(self, first_step: int) -> None:
+        """The engines start from the learner's weights, whatever they held; then generation starts."""
+        self.transport.push(self.learner)
+        self.transport.take_metrics()
+        if self.producer is not None:
+            self.producer.start()
+
+    def next_batch(self, step: int) -> PackedRollouts:
+        """This step's groups (rank 0 takes them from the producer and grades them), dealt to the ranks."""
+        batch = PackedRollouts.empty(self.learner.version)
+        if self.producer is not None:
+            groups = self.producer.take(self.recipe.rollout.prompts_per_step, self.learner.version)
+            batch = pack_rollouts(groups, self.grader, self.recipe)
+            _record_trained(self.run_dir, step, self.learner.version, groups)
+        return distribute(batch, owners(batch.row_B, rows_per_update(self.recipe), self.learner.world))
+
+    def after_update(self, learner: Learner) -> None:
+        self.transport.after_update(learner)
+
+    def state(self) -> dict:
+        """Rank 0's producer: the data position and the prompts not yet trained."""
+        return self.producer.snapshot() if self.producer is not None else {}
+
+    def save(self, folder: Path) -> None:
+        """Nothing per rank: the prompts in flight travel in the loop state."""
+
+    def take_metrics(self) -> dict[str, float]:
+        metrics = self.transport.take_metrics()
+        if self.producer is not None:
+            metrics.update(self.producer.take_metrics())
+        return metrics
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> SeparateSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer | None) -> WeightTransport:
+    """The recipe's weight transport (every rank builds it; only rank 0 has the producer)."""
+    cfg, dtype = recipe.rollout, torch_dtype(recipe.model.dtype)
+    swap = producer.swap if producer is not None else None
+    if resolve_transport(cfg.weight_transport) == "nccl":
+        from m2po_cli.nccl_transport import NcclWeightTransport
+
+        servers = producer.servers if producer is not None else None
+        return NcclWeightTransport(learner.rank, cfg.sync_every, dtype, swap, learner, servers)
+    return ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
+
+
+def start_servers(
+    recipe: Recipe, model_dir: Path, run_dir: Path, world: int, say: Callable[[str], None]
+) -> list[EngineServer]:
+    """Attach to `rollout.servers`, or start `num_engines` servers beside the learner; `say` tells
+    the user what the run is waiting for.
+
+    On GPUs, started engines take the devices after the learner's `world` ranks, in order."""
+    cfg = recipe.rollout
+    wait = f"{cfg.server_start_timeout_s:.0f} s"
+    if cfg.servers:
+        say(f"waiting for the rollout server(s) to answer /health (at most {wait}): {', '.join(cfg.servers)}")
+        servers = [EngineServer(url) for url in cfg.servers]
+        for s in servers:
+            s.wait_ready(cfg.server_start_timeout_s)
+        return servers
+    say(f"starting {cfg.num_engines} vllm serve engine(s) (at most {wait}); output: {run_dir}/engine-*.log")
+    servers: list[EngineServer] = []
+    try:
+        for i in range(cfg.num_engines):
+            dtype = resolve_dtype(recipe.model.dtype)
+            log_path = run_dir / f"engine-{i}.log"
+            devices = (
+                _engine_devices(i, cfg.tensor_parallel_size, world) if torch.cuda.is_available() else None
+            )
+            servers.append(EngineServer.start(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
+    except BaseException:
+        for s in servers:
+            s.close()
+        raise
+    return servers
+
+
+def pack_rollouts(groups: list[Group], grader: Grader, recipe: Recipe) -> PackedRollouts:
+    """Grade a step's groups and pack them; each row keeps the version that generated its group."""
+    n = recipe.rollout.n
+    golds = [g.prompt.problem.answer for g in groups for _ in range(n)]
+    t0 = time.perf_counter()
+    rewards = grader.grade_many([c.text for g in groups for c in g.completions], golds)
+    a = recipe.algorithm
+    batch = pack_groups(
+        min(g.version for g in groups),
+        0,
+        [g.prompt.token_ids for g in groups],
+        [g.completions for g in groups],
+        torch.tensor(rewards, dtype=torch.float32).view(len(groups), n),
+        a.normalize_std,
+        a.std_eps,
+    )
+    batch.version_B = torch.tensor([g.version for g in groups], dtype=torch.long).repeat_interleave(n)
+    batch.meta = {"time/grade": time.perf_counter() - t0}
+    return batch
+
+
+def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group]) -> None:
+    record = {
+        "step": step,
+        "version": version,
+        "problem_ids": [g.prompt.problem.index for g in groups],
+        "epochs": [g.epoch for g in groups],
+        "versions": [g.version for g in groups],
+    }
+    with open(run_dir / TRAINED_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _engine_devices(index: int, tensor_parallel_size: int, world: int) -> list[int]:
+    first = world + index * tensor_parallel_size
+    needed = first + tensor_parallel_size
+    if needed > torch.cuda.device_count():
+        raise ValueError(
+            f"rollout.num_engines x rollout.tensor_parallel_size needs GPUs {world}..{needed - 1} beside the "
+            f"learner's {world}, but this node has {torch.cuda.device_count()}"
+        )
+    return list(range(first, needed))

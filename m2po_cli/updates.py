@@ -1,0 +1,156 @@
+"""One step's optimizer updates over a rollout batch, and the step's rollout and staleness metrics.
+
+Shared by both rollout sources: `train_on` runs the updates of one rollout batch (this rank's rows)
+and computes how stale every row is at the update that trains it, the one staleness definition of
+the metrics and of the inspect records alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from m2po_cli.config import Recipe
+from m2po_cli.learner import Learner
+from m2po_cli.packed import PackedRollouts, all_gather_rows
+from m2po_cli.record import Recorder, Sample
+
+
+def rows_per_update(recipe: Recipe) -> int:
+    return recipe.prompts_per_update * recipe.rollout.n
+
+
+def train_on(
+    batch: PackedRollouts,
+    learner: Learner,
+    loss_fn,
+    sync: Callable[[Learner], None] | None,
+    recipe: Recipe,
+    recorder: Recorder,
+    step: int,
+) -> dict[str, float]:
+    """All optimizer updates of one rollout batch (this rank's rows); `sync(learner)` after each may
+    send the weights out (colocated: after the last one, waking the engine up). A collective."""
+    per_update = rows_per_update(recipe)
+    num_updates = recipe.updates_per_step
+    update_B = batch.row_B // per_update
+    tokens_U = torch.zeros(num_updates, dtype=torch.float64).index_add_(
+        0, update_B, batch.response_len_B.double()
+    )
+    tokens_U = all_reduce(tokens_U, dist.ReduceOp.SUM)  # the global token count of each update
+    totals: dict[str, float] = {}
+    staleness_B = torch.zeros(batch.num_rows, dtype=torch.long)
+    for u in range(num_updates):
+        index_K = (update_B == u).nonzero().squeeze(1)
+        staleness_B[index_K] = learner.version - batch.version_B[index_K]
+        rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
+        sample = record_sample(recorder, step, batch, index_K, learner)
+        t0 = time.perf_counter()
+        m = learner.update(rows, loss_fn, int(tokens_U[u]))
+        t1 = time.perf_counter()
+        recorder.add(sample, m)
+        if sync is not None:
+            sync(learner)
+        m.update({"time/update": t1 - t0, "time/weight_sync": time.perf_counter() - t1})
+        m["perf/learner_tokens_per_s"] = float(rows.lengths_B.sum()) * learner.world / (t1 - t0)
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + v / num_updates
+    totals["optim/version"] = learner.version
+    recorder.write(step)
+    return totals | staleness_metrics(staleness_B, recipe)
+
+
+def staleness_metrics(staleness_B: torch.Tensor, recipe: Recipe) -> dict[str, float]:
+    """How many updates old each row's policy was at the update that trained it, over every rank's
+    rows: min, mean, max, and in bounded mode a histogram up to the bound. A collective."""
+    bound = recipe.staleness_bound
+    hist_S = torch.bincount(staleness_B.clamp(0, bound), minlength=bound + 1).double()
+    hist_S = all_reduce(hist_S, dist.ReduceOp.SUM)
+    seen = hist_S.nonzero().squeeze(1)
+    if not seen.numel():
+        return {}
+    m = {
+        "staleness/min": float(seen.min()),
+        "staleness/mean": float((hist_S * torch.arange(bound + 1)).sum() / hist_S.sum()),
+        "staleness/max": float(seen.max()),
+    }
+    if recipe.staleness.mode == "bounded":
+        m.update({f"staleness/hist_{k}": float(count) for k, count in enumerate(hist_S.tolist())})
+    return m
+
+
+def record_sample(
+    recorder: Recorder, step: int, batch: PackedRollouts, index_K: torch.Tensor, learner: Learner
+) -> Sample | None:
+    """This rank's rows among the update's recorded ones, scored by the learner just before the update.
+
+    The recorder chooses among all rows of the update (their ids and lengths gathered from every
+    rank); each rank scores the chosen rows it holds. A collective.
+    """
+    if not recorder.due(step):
+        return None
+    rows_N = all_gather_rows(batch.row_B[index_K])  # in rank order, which is row order
+    lengths_N = all_gather_rows(batch.response_len_B[index_K])
+    picked, _ = recorder.pick(step, learner.version, rows_N.tolist(), lengths_N.tolist())
+    chosen_N = all_gather_rows(torch.tensor(picked, dtype=torch.long))
+    mine_K = index_K[torch.isin(batch.row_B[index_K], chosen_N)]
+    padded = batch.to_batch(mine_K)
+    logprobs_BL, entropy_BL = learner.score(padded, with_entropy=True)  # every rank, rows or not
+    if not mine_K.numel():
+        return None
+    rows, mask_BL = batch.take(mine_K), padded.mask_BL.bool()
+
+    def per_row(value: int) -> torch.Tensor:
+        return torch.full((rows.num_rows,), value, dtype=torch.long)
+
+    scored = bool(batch.learner_R.numel())  # every row was scored at its behaviour version
+    return Sample(
+        behaviour_logprobs_N=rows.behaviour_R,
+        learner_logprobs_N=rows.learner_R if scored else torch.zeros_like(rows.behaviour_R),
+        logprobs_N=logprobs_BL[mask_BL],
+        entropy_N=entropy_BL[mask_BL],
+        lengths_R=rows.response_len_B,
+        advantages_R=rows.advantages_B,
+        staleness_R=learner.version - rows.version_B,
+        update_R=per_row(learner.version),
+        row_R=rows.row_B,
+        scored_R=torch.full((rows.num_rows,), scored),
+    )
+
+
+def rollout_metrics(batch: PackedRollouts) -> dict[str, float]:
+    """Metrics of the whole rollout batch (a collective: sums over every rank's rows), with the
+    source's own (`batch.meta`)."""
+    lengths_B = batch.response_len_B.double()
+    sums = torch.stack(
+        [
+            torch.tensor(float(batch.num_rows)),
+            batch.rewards_B.double().sum(),
+            batch.solved_B.double().sum(),
+            lengths_B.sum(),
+            batch.finished_B.double().sum(),
+        ]
+    ).double()
+    num_rows, rewards, solved, tokens, finished = all_reduce(sums, dist.ReduceOp.SUM).tolist()
+    num_rows = max(num_rows, 1.0)
+    return {
+        "rollout/reward_mean": rewards / num_rows,
+        "rollout/solved_groups": solved / num_rows,  # every row of a group carries its group's flag
+        "rollout/response_tokens_mean": tokens / num_rows,
+        "rollout/truncated_frac": 1.0 - finished / num_rows,
+        "staleness/behaviour_version": float(batch.version),
+        **batch.meta,
+    }
+
+
+def all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
+    """`x` reduced over every rank (a copy; on the GPU for NCCL, back on the host after)."""
+    if dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        y = x.to(device) if device else x.clone()
+        dist.all_reduce(y, op=op)
+        return y.cpu()
+    return x
