@@ -26,11 +26,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from m2po_cli.eval_config import load_benchmarks, load_eval_config
-from m2po_cli.eval_data import load_problems
-from m2po_cli.eval_report import summarize_benchmark
-from m2po_cli.eval_targets import Target
-from m2po_cli.evaluate import build_eval_llm, context_length, plan_target, run_jobs, sampling_params
+from m2po_cli.eval.config import load_benchmarks, load_eval_config
+from m2po_cli.eval.data import load_problems
+from m2po_cli.eval.evaluate import build_eval_llm, context_length, plan_target, run_jobs, sampling_params
+from m2po_cli.eval.report import summarize_benchmark
+from m2po_cli.eval.targets import Target
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
 

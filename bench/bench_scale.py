@@ -115,7 +115,7 @@ def baseline_update(learner, batch, loss_fn, num_tokens):
 
 def synthetic_groups(prompts: int, n: int, max_response: int, vocab: int, seed: int = 0):
     """Completions with a wide length spread (log-normal, capped), random tokens and logprobs."""
-    from m2po_cli.rollout import Completion
+    from m2po_cli.rollout.engine import Completion
 
     g = torch.Generator().manual_seed(seed)
     prompt_ids, groups = [], []
@@ -164,8 +164,8 @@ def python_bytes(build) -> int:
 
 
 def fifo_and_checkpoint(report) -> None:
-    from m2po_cli.packed import pack_groups
-    from m2po_cli.staleness import StalenessQueue
+    from m2po_cli.train.fifo import StalenessQueue
+    from m2po_cli.train.packed import pack_groups
 
     prompt_ids, groups, rewards_PG = synthetic_groups(32, 8, 1024, 49_152)
     response_tokens = sum(len(c.token_ids) for g in groups for c in g)
@@ -252,12 +252,12 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 
 def passes_and_timing(report, args) -> None:
-    from m2po_cli.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.config import GRPOLoss, M2POLoss
     from m2po_cli.learner import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.models import resolve_model
-    from m2po_cli.packed import pack_groups
+    from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
+    from m2po_cli.train.packed import pack_groups
     from tests.conftest import recipe_for
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,12 +47,12 @@ PHASES = ["generate", "grade", "score", "update", "weight_sync", "rollout", "tra
 
 def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[float]:
     """Seconds of `generate` for the rollout batch made at each step 0..steps-1 (initial weights)."""
-    from m2po_cli.colocated import sampling_seed
     from m2po_cli.config import load_recipe
     from m2po_cli.data import PromptBatches, load_problems
     from m2po_cli.device import resolve_dtype
     from m2po_cli.models import load_tokenizer, resolve_model
-    from m2po_cli.rollout import VLLMEngine
+    from m2po_cli.rollout.engine import VLLMEngine
+    from m2po_cli.train.colocated import sampling_seed
 
     recipe = load_recipe(recipe_path, overrides)
     model_dir = resolve_model(recipe.model.path)

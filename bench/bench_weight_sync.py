@@ -62,7 +62,7 @@ from local_model import CPU_BENCH, write_qwen3
 
 from m2po_cli.config import load_recipe
 from m2po_cli.learner import Learner
-from m2po_cli.rollout import VLLMEngine
+from m2po_cli.rollout.engine import VLLMEngine
 
 MAX_RATIO = 3.0
 MEMCPY_BYTES = 256 * 2**20

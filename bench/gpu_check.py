@@ -30,7 +30,7 @@ from m2po_cli.config import load_recipe
 from m2po_cli.device import resolve_dtype
 from m2po_cli.learner import Batch, Learner
 from m2po_cli.loss import build_loss
-from m2po_cli.rollout import VLLMEngine
+from m2po_cli.rollout.engine import VLLMEngine
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring.

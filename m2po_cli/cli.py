@@ -50,8 +50,8 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
     idle_threads_sleep()
     from m2po_cli.errors import RunError
     from m2po_cli.models import ModelError
-    from m2po_cli.server import EngineError
-    from m2po_cli.train import train as run_training
+    from m2po_cli.rollout.server import EngineError
+    from m2po_cli.train.loop import train as run_training
 
     try:
         run_training(resolved, problems)
@@ -101,9 +101,9 @@ def eval_(
     from rich.console import Console
 
     from m2po_cli.data import DataError
-    from m2po_cli.eval_config import load_benchmarks, load_eval_config
-    from m2po_cli.eval_data import benchmark_dir, load_problems
-    from m2po_cli.eval_targets import TargetError, resolve_targets
+    from m2po_cli.eval.config import load_benchmarks, load_eval_config
+    from m2po_cli.eval.data import benchmark_dir, load_problems
+    from m2po_cli.eval.targets import TargetError, resolve_targets
 
     try:
         cfg = load_eval_config(protocol, list(overrides))
@@ -117,7 +117,7 @@ def eval_(
         _fail(str(e))
     _route_third_party(out_dir, verbose)
     idle_threads_sleep()
-    from m2po_cli.evaluate import run
+    from m2po_cli.eval.evaluate import run
 
     failures = run(targets, specs, problems, cfg, out_dir, limit, Console(stderr=True))
     if failures:
@@ -176,7 +176,7 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
 
     RUN_DIR defaults to the newest run under ./runs.
     """
-    from m2po_cli.inspection import ratios as run_ratios
+    from m2po_cli.inspection.command import ratios as run_ratios
     from m2po_cli.record import RecordError
 
     try:

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-from m2po_cli.colocated import engine_share, rollout, sync_weights
 from m2po_cli.config import load_recipe
 from m2po_cli.data import PromptBatches, encode_prompt, load_problems
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
-from m2po_cli.rollout import Completion, VLLMEngine
-from m2po_cli.updates import rows_per_update, train_on
+from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.train.colocated import engine_share, rollout, sync_weights
+from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.updates import rows_per_update, train_on
 from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"

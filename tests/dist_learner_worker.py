@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from m2po_cli.colocated import score_at_behaviour_version
 from m2po_cli.config import load_recipe
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.record import Recorder
-from m2po_cli.rollout import Completion
-from m2po_cli.updates import rows_per_update, train_on
+from m2po_cli.rollout.engine import Completion
+from m2po_cli.train.colocated import score_at_behaviour_version
+from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.updates import rows_per_update, train_on
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 OVERRIDES = [

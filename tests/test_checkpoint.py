@@ -18,9 +18,9 @@ from m2po_cli.data import PromptBatches, load_problems
 from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.models import resolve_model
-from m2po_cli.runlog import RunLog
-from m2po_cli.staleness import StalenessQueue
-from m2po_cli.train import resume
+from m2po_cli.train.fifo import StalenessQueue
+from m2po_cli.train.loop import resume
+from m2po_cli.train.runlog import RunLog
 from tests.conftest import recipe_for
 
 ROOT = Path(__file__).resolve().parents[1]

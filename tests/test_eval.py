@@ -18,14 +18,14 @@ from safetensors.torch import load_file
 from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, ConfigError, to_toml
-from m2po_cli.eval_config import EVALS_DIR, load_benchmarks, load_eval_config
-from m2po_cli.eval_data import BenchPlan, EvalProblem, Job, load_problems
-from m2po_cli.eval_report import pass_at_k, pass_ks
-from m2po_cli.eval_targets import Target, TargetError, export_step, resolve_targets
-from m2po_cli.evaluate import grade_and_append, plan_target, read_records
+from m2po_cli.eval.config import EVALS_DIR, load_benchmarks, load_eval_config
+from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, load_problems
+from m2po_cli.eval.evaluate import grade_and_append, plan_target, read_records
+from m2po_cli.eval.report import pass_at_k, pass_ks
+from m2po_cli.eval.targets import Target, TargetError, export_step, resolve_targets
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
-from m2po_cli.staleness import StalenessQueue
+from m2po_cli.train.fifo import StalenessQueue
 from tests.conftest import recipe_for
 from tests.tolerances import forward_atol
 
@@ -411,7 +411,7 @@ def test_weights_reloaded_into_the_engine_are_the_ones_used(run_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams, TokensPrompt
 
-    from m2po_cli.evaluate import EvalEngine
+    from m2po_cli.eval.evaluate import EvalEngine
 
     base, export = resolve_model("builtin:tiny-qwen3"), run_dir / "export"
     ids = AutoTokenizer.from_pretrained(str(base)).apply_chat_template(

@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from m2po_cli.cli import main
-from m2po_cli.eval_config import EVALS_DIR, load_benchmarks, load_eval_config
-from m2po_cli.eval_data import load_problems
-from m2po_cli.eval_targets import resolve_targets
-from m2po_cli.evaluate import plan_target, slug
+from m2po_cli.eval.config import EVALS_DIR, load_benchmarks, load_eval_config
+from m2po_cli.eval.data import load_problems
+from m2po_cli.eval.evaluate import plan_target, slug
+from m2po_cli.eval.targets import resolve_targets
 from m2po_cli.models import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]

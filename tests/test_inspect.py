@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from m2po_cli.config import GRPOLoss, GSPOLoss, InspectConfig, M2POCapLoss, M2POLoss, NoTRLoss
+from m2po_cli.inspection.ratios import WHAT_IF, analyse
 from m2po_cli.loss import build_loss
-from m2po_cli.ratios import WHAT_IF, analyse
 from m2po_cli.record import Recorder, Sample, load_records, step_path
-from m2po_cli.runlog import RunLog
+from m2po_cli.train.runlog import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = [
@@ -50,7 +50,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     Two updates of staleness put the trust region's mean M2 at about 0.006 (measured: 0.0061, 0.0115,
     0.0060 over steps 1-3), six times tau, so the run masks whatever the machine's rounding; the
     GRPO run's ratios leave 1 +- 0.1 on 14-30 tokens a step."""
-    from m2po_cli.train import train
+    from m2po_cli.train.loop import train
     from tests.conftest import recipe_for
 
     tmp = tmp_path_factory.mktemp("inspect")

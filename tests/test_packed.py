@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from m2po_cli import logprobs as logprobs_module
-from m2po_cli.colocated import engine_share, sampling_seed
 from m2po_cli.learner import Learner, micro_batches
 from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
-from m2po_cli.rollout import Completion
-from m2po_cli.staleness import StalenessQueue
+from m2po_cli.rollout.engine import Completion
+from m2po_cli.train.colocated import engine_share, sampling_seed
+from m2po_cli.train.fifo import StalenessQueue
+from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
 from tests.conftest import recipe_for
 from tests.tolerances import adam_weight_bounds, max_gap, within
 

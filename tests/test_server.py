@@ -14,11 +14,11 @@ from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.packed import pack_groups
-from m2po_cli.producer import RolloutProducer
-from m2po_cli.server import EngineError, EngineServer, parse_completions, sampling_body, swap_weights
-from m2po_cli.updates import train_on
-from m2po_cli.weight_transport import ShmWeightTransport
+from m2po_cli.rollout.producer import RolloutProducer
+from m2po_cli.rollout.server import EngineError, EngineServer, parse_completions, sampling_body, swap_weights
+from m2po_cli.rollout.transport import ShmWeightTransport
+from m2po_cli.train.packed import pack_groups
+from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
 from tests.test_weight_sync import logprob_gap, sampled_batch
 
@@ -175,7 +175,7 @@ def test_weight_folders_of_killed_runs_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from m2po_cli.weight_transport import PREFIX, sweep_orphans
+    from m2po_cli.rollout.transport import PREFIX, sweep_orphans
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

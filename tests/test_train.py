@@ -8,7 +8,7 @@ import tomllib
 import pytest
 from safetensors.torch import load_file
 
-from m2po_cli.train import train
+from m2po_cli.train.loop import train
 from tests.conftest import recipe_for
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import torch
 from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.models import resolve_model
-from m2po_cli.nccl_transport import learner_source, rank_offsets
-from m2po_cli.weight_transport import resolve_transport
+from m2po_cli.rollout.nccl import learner_source, rank_offsets
+from m2po_cli.rollout.transport import resolve_transport
 from tests.conftest import recipe_for
 
 SEPARATE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-separate.toml"
@@ -62,9 +62,9 @@ def test_nccl_on_a_cpu_stops_before_anything_starts(tmp_path):
 def test_nccl_sync_makes_server_match_learner(tmp_path):
     """Learner on GPU 0, `vllm serve` on GPU 1: after a sync the engine's logprobs are the learner's."""
     from m2po_cli.loss import build_loss
-    from m2po_cli.nccl_transport import NcclWeightTransport
-    from m2po_cli.server import EngineServer, swap_weights
-    from m2po_cli.updates import train_on
+    from m2po_cli.rollout.nccl import NcclWeightTransport
+    from m2po_cli.rollout.server import EngineServer, swap_weights
+    from m2po_cli.train.updates import train_on
     from tests.conftest import no_record
     from tests.test_server import HTTPEngine, probe
     from tests.test_weight_sync import logprob_gap, sampled_batch

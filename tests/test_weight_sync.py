@@ -12,10 +12,10 @@ from m2po_cli.data import encode_prompt
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.packed import PackedRollouts, pack_groups
 from m2po_cli.record import Recorder
-from m2po_cli.rollout import Completion, VLLMEngine
-from m2po_cli.updates import train_on
+from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.train.packed import PackedRollouts, pack_groups
+from m2po_cli.train.updates import train_on
 from tests.conftest import recipe_for
 
 pytestmark = pytest.mark.slow
@@ -95,7 +95,7 @@ def test_push_makes_engine_match_learner(model, tmp_path):
 def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
     """The in-place push agrees with vLLM's own reload, also right after one, and refuses a push that
     leaves a layer or a parameter without new weights."""
-    from m2po_cli.vllm_worker import safetensors_items
+    from m2po_cli.rollout.worker import safetensors_items
 
     recipe = recipe_for(tmp_path, 'model.path="builtin:tiny-qwen3"')
     model_dir = resolve_model("builtin:tiny-qwen3")

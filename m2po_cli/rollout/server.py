@@ -24,7 +24,7 @@ import httpx
 import psutil
 
 from m2po_cli.config import RolloutConfig
-from m2po_cli.rollout import Completion
+from m2po_cli.rollout.engine import Completion
 
 SERVED_NAME = "policy"
 _PR_SET_PDEATHSIG = 1
@@ -60,7 +60,7 @@ def serve_command(
         "--api-server-count", "1",
         # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
         "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "m2po_cli.vllm_worker.WeightSync",
+        "--worker-extension-cls", "m2po_cli.rollout.worker.WeightSync",
         "--enable-prefix-caching",
         "--disable-uvicorn-access-log",
         "--tensor-parallel-size", str(cfg.tensor_parallel_size),
@@ -91,7 +91,7 @@ def _server_env(devices: list[int] | None) -> dict[str, str]:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # The worker extension is imported inside the server: it must find this package.
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 

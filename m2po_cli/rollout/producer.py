@@ -29,8 +29,15 @@ import httpx
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
-from m2po_cli.rollout import Completion
-from m2po_cli.server import EngineError, EngineServer, Load, parse_completions, sampling_body, swap_weights
+from m2po_cli.rollout.engine import Completion
+from m2po_cli.rollout.server import (
+    EngineError,
+    EngineServer,
+    Load,
+    parse_completions,
+    sampling_body,
+    swap_weights,
+)
 
 Ticket = tuple[int, Prompt]  # (data epoch, prompt)
 MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops

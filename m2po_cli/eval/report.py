@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from m2po_cli.eval_data import BenchPlan
+    from m2po_cli.eval.data import BenchPlan
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

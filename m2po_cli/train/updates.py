@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from m2po_cli.config import Recipe
 from m2po_cli.learner import Learner
-from m2po_cli.packed import PackedRollouts, all_gather_rows
 from m2po_cli.record import Recorder, Sample
+from m2po_cli.train.packed import PackedRollouts, all_gather_rows
 
 
 def rows_per_update(recipe: Recipe) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from m2po_cli.engine_weights import load_in_place
+from m2po_cli.rollout.weights import load_in_place
 
 
 class WeightSync:

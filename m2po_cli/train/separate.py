@@ -23,13 +23,13 @@ from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
-from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
-from m2po_cli.producer import Group, RolloutProducer
 from m2po_cli.record import Recorder
-from m2po_cli.runlog import RunLog, forget_steps_from
-from m2po_cli.server import EngineServer
-from m2po_cli.updates import rows_per_update
-from m2po_cli.weight_transport import ShmWeightTransport, WeightTransport, resolve_transport
+from m2po_cli.rollout.producer import Group, RolloutProducer
+from m2po_cli.rollout.server import EngineServer
+from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
+from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.runlog import RunLog, forget_steps_from
+from m2po_cli.train.updates import rows_per_update
 
 TRAINED_LOG = "trained_prompts.jsonl"
 
@@ -142,7 +142,7 @@ def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer |
     cfg, dtype = recipe.rollout, torch_dtype(recipe.model.dtype)
     swap = producer.swap if producer is not None else None
     if resolve_transport(cfg.weight_transport) == "nccl":
-        from m2po_cli.nccl_transport import NcclWeightTransport
+        from m2po_cli.rollout.nccl import NcclWeightTransport
 
         servers = producer.servers if producer is not None else None
         return NcclWeightTransport(learner.rank, cfg.sync_every, dtype, swap, learner, servers)

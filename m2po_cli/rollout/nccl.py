@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from m2po_cli.server import EngineError, EngineServer, free_port
-from m2po_cli.weight_transport import WeightTransport
+from m2po_cli.rollout.server import EngineError, EngineServer, free_port
+from m2po_cli.rollout.transport import WeightTransport
 
 PACKED_BUFFER_BYTES = 2**30
 

@@ -24,12 +24,12 @@ from m2po_cli.device import resolve_dtype
 from m2po_cli.errors import RunError
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
-from m2po_cli.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.record import Recorder
-from m2po_cli.rollout import RolloutEngine, VLLMEngine
-from m2po_cli.runlog import RunLog
-from m2po_cli.staleness import StalenessQueue
-from m2po_cli.updates import all_reduce, rows_per_update
+from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
+from m2po_cli.train.fifo import StalenessQueue
+from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.runlog import RunLog
+from m2po_cli.train.updates import all_reduce, rows_per_update
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from m2po_cli.ratios import staleness_buckets, tokens_of  # noqa: E402
+from m2po_cli.inspection.ratios import staleness_buckets, tokens_of  # noqa: E402
 from m2po_cli.record import Records  # noqa: E402
 
 STYLE = {

@@ -19,18 +19,18 @@ import torch
 
 from m2po_cli import checkpoint
 from m2po_cli.checkpoint import Restored
-from m2po_cli.colocated import ColocatedSource
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
-from m2po_cli.packed import PackedRollouts
 from m2po_cli.record import Recorder
-from m2po_cli.runlog import RunLog
-from m2po_cli.separate import SeparateSource
-from m2po_cli.updates import rollout_metrics, train_on
+from m2po_cli.train.colocated import ColocatedSource
+from m2po_cli.train.packed import PackedRollouts
+from m2po_cli.train.runlog import RunLog
+from m2po_cli.train.separate import SeparateSource
+from m2po_cli.train.updates import rollout_metrics, train_on
 
 
 class RolloutSource(Protocol):

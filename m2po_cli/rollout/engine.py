@@ -99,7 +99,7 @@ def build_llm(
         dtype=dtype,
         max_model_len=max_model_len,
         enforce_eager=enforce_eager,
-        worker_extension_cls="m2po_cli.vllm_worker.WeightSync",
+        worker_extension_cls="m2po_cli.rollout.worker.WeightSync",
         enable_prefix_caching=True,
         use_tqdm_on_load=False,  # the console shows the user's run, not vLLM's progress bars
         seed=0,

@@ -21,7 +21,7 @@ from pydantic import model_validator
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, check_template
 from m2po_cli.tomlconf import ConfigError, Table, field, load
 
-EVALS_DIR = Path(__file__).resolve().parents[1] / "evals"
+EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
 BENCHMARKS_TOML = EVALS_DIR / "benchmarks.toml"
 
 

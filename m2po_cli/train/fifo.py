@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from m2po_cli.packed import PackedRollouts
+from m2po_cli.train.packed import PackedRollouts
 
 
 class StalenessQueue:

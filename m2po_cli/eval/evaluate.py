@@ -30,10 +30,10 @@ from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from m2po_cli.data import DataError
-from m2po_cli.eval_config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
-from m2po_cli.eval_data import BenchPlan, EvalProblem, Job, digest
-from m2po_cli.eval_report import markdown_table, rich_table, summarize_benchmark, summarize_target
-from m2po_cli.eval_targets import Target, TargetError, stable_hash
+from m2po_cli.eval.config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
+from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, digest
+from m2po_cli.eval.report import markdown_table, rich_table, summarize_benchmark, summarize_target
+from m2po_cli.eval.targets import Target, TargetError, stable_hash
 from m2po_cli.grader import Grader, extract_boxed
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
@@ -247,7 +247,7 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     import torch
 
     from m2po_cli.device import resolve_dtype
-    from m2po_cli.rollout import build_llm
+    from m2po_cli.rollout.engine import build_llm
 
     on_gpu = torch.cuda.is_available()
     return build_llm(

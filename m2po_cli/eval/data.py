@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from m2po_cli.data import DataError
-from m2po_cli.eval_config import BenchmarkSpec, HubSource
+from m2po_cli.eval.config import BenchmarkSpec, HubSource
 
 
 @dataclass(frozen=True)

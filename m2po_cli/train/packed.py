@@ -24,7 +24,7 @@ from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
 from m2po_cli.learner import Batch
-from m2po_cli.rollout import Completion
+from m2po_cli.rollout.engine import Completion
 
 
 @dataclass

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from m2po_cli.server import Load
+from m2po_cli.rollout.server import Load
 
 
 def shm_root() -> Path:

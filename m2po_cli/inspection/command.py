@@ -67,8 +67,8 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
     """`m2po inspect ratios`: tables (or JSON) on stdout, PNG figures into `plot_dir`."""
     import torch
 
-    from m2po_cli.ratios import analyse, rule_name
-    from m2po_cli.ratios_report import show
+    from m2po_cli.inspection.ratios import analyse, rule_name
+    from m2po_cli.inspection.report import show
 
     # One update's tensors are small: more threads cost more than they give, all the more next to a
     # training run on the same machine (5x the CPU time with two threads on a busy 2-core machine).
@@ -80,7 +80,7 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
     report, acted = analyse(records, loss, behaviour)
     console = Console()
     if plot_dir is not None:
-        from m2po_cli.ratios_plots import write_plots
+        from m2po_cli.inspection.plots import write_plots
 
         report["plots"] = [str(p) for p in write_plots(report, acted, records, behaviour, Path(plot_dir))]
     if as_json:

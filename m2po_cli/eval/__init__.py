@@ -1,0 +1,1 @@
+"""`m2po eval`: the benchmarks, the checkpoints to score, sampling and grading, and the report."""

@@ -1,0 +1,1 @@
+"""`m2po inspect`: what a run's importance ratios look like and what each rule does to them."""
