@@ -252,9 +252,9 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 
 def passes_and_timing(report, args) -> None:
-    from m2po_cli.config import GRPOLoss, M2POLoss
     from m2po_cli.learner import Learner
     from m2po_cli.loss import build_loss
+    from m2po_cli.loss_config import GRPOLoss, M2POLoss
     from m2po_cli.models import resolve_model
     from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
@@ -362,7 +362,7 @@ def passes_and_timing(report, args) -> None:
         "x",
     )
 
-    from m2po_cli.learner import micro_batches, padding_overhead
+    from m2po_cli.batch import micro_batches, padding_overhead
 
     old_parts = [
         torch.arange(s, min(s + args.micro, len(batch.lengths_B)))
@@ -388,8 +388,8 @@ def correction_at_paper_size(report, noise: float) -> None:
     with a changed token, up to its last one). So m2po / grpo = 4/3 before and 1 + f after, taken
     at the slowest rank (collectives wait for it); `auto` falls back to `score_first` when f > 1/3.
     """
-    from m2po_cli.config import M2POLoss
     from m2po_cli.loss import build_loss
+    from m2po_cli.loss_config import M2POLoss
     from m2po_cli.mask_correction import correction_rows, provisional_keep
 
     p, loss_fn = PAPER, build_loss(M2POLoss())
@@ -428,7 +428,7 @@ def correction_at_paper_size(report, noise: float) -> None:
 
 
 def padding_at_paper_size(report) -> None:
-    from m2po_cli.learner import micro_batches, padding_overhead
+    from m2po_cli.batch import micro_batches, padding_overhead
 
     p = PAPER
     _, groups, _ = synthetic_groups(p["prompts"], p["n"], p["max_response"], 1000, seed=2)

@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from local_model import QWEN3_0_6B, TINY, Qwen3Shape, write_qwen3
 
+from m2po_cli.batch import Batch
 from m2po_cli.config import load_recipe
 from m2po_cli.device import resolve_dtype
-from m2po_cli.learner import Batch, Learner
+from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.rollout.engine import VLLMEngine
 

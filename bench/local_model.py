@@ -46,7 +46,7 @@ def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0) -> Path:
 
     logging.disable_progress_bar()
 
-    from m2po_cli.models import char_tokenizer, qwen3_config
+    from m2po_cli.builtin_models import char_tokenizer, qwen3_config
 
     tokenizer = char_tokenizer()
     config = qwen3_config(shape, tokenizer)

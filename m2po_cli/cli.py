@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from m2po_cli.config import ConfigError, load_recipe, to_toml
+from m2po_cli.config import ConfigError, load_recipe
+from m2po_cli.tomlconf import to_toml
 
 VERBOSE = click.option(
     "-v", "--verbose", is_flag=True, help="Show third-party logs and warnings (vLLM, torch, ...) here too."

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
+from m2po_cli.loss_config import AlgorithmConfig, LossConfig, M2POLoss
 from m2po_cli.tomlconf import ConfigError as ConfigError  # noqa: F401  (re-exported)
 from m2po_cli.tomlconf import Table, field, load
 
@@ -206,62 +207,6 @@ class RolloutConfig(Table):
         return self
 
 
-class AlgorithmConfig(Table):
-    advantage: Literal["grpo"] = field("grpo", "Advantage estimator: group-relative (GRPO).")
-    normalize_std: bool = field(True, "Divide the group-centred reward by the group's std (+ eps).")
-    std_eps: float = field(1e-6, "Added to the group std before dividing.", gt=0)
-    behaviour_logprobs: Literal["engine", "learner"] = field(
-        "engine",
-        "Behaviour logprobs of the importance ratio: the engine's at sampling time, or the learner's "
-        "recomputation at the version that generated the batch.",
-    )
-
-
-class GRPOLoss(Table):
-    type: Literal["grpo"] = field("grpo", "PPO clipped surrogate (GRPO).")
-    eps_low: float = field(0.2, "Lower clip: ratios below 1 - eps_low are clipped.", gt=0, lt=1)
-    eps_high: float = field(0.2, "Upper clip: ratios above 1 + eps_high are clipped.", gt=0)
-    dual_clip: float | None = field(
-        None, "Dual-clip bound c > 1 for negative advantages; unset disables it.", gt=1
-    )
-
-
-class M2POLoss(Table):
-    type: Literal["m2po"] = field(
-        "m2po", "M2PO, the paper's Algorithm 1: second-moment masking over the global batch."
-    )
-    tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
-
-
-class NoTRLoss(Table):
-    type: Literal["no_tr"] = field(
-        "no_tr", "Importance-weighted r * A with no trust region (the paper's GRPO no TR)."
-    )
-
-
-class M2POCapLoss(Table):
-    type: Literal["m2po_cap"] = field(
-        "m2po_cap",
-        "The released code's rule: clip r to [e^-c, e^c], c the largest cap keeping M2 within tau.",
-    )
-    tau: float = field(0.04, "Budget on the mean (log r)^2 over trust-region tokens.", gt=0)
-    scope: Literal["micro_batch", "global"] = field(
-        "micro_batch",
-        "Where the cap is computed: each micro-batch (as released) or the whole optimizer batch.",
-    )
-
-
-class GSPOLoss(Table):
-    type: Literal["gspo"] = field(
-        "gspo", "GSPO: clipped sequence-level ratio (geometric mean of token ratios)."
-    )
-    eps_low: float = field(3e-4, "Lower clip: sequence ratios below 1 - eps_low are clipped.", gt=0, lt=1)
-    eps_high: float = field(4e-4, "Upper clip: sequence ratios above 1 + eps_high are clipped.", gt=0)
-
-
-LossConfig = Annotated[GRPOLoss | NoTRLoss | M2POLoss | M2POCapLoss | GSPOLoss, Field(discriminator="type")]
-
-
 class TrainConfig(Table):
     mini_batch_prompts: int = field(
         0, "Prompts per optimizer update; 0 means the whole rollout batch (one update per step).", ge=0
@@ -448,33 +393,3 @@ def _arrays_as_tuples(tree: dict[str, Any]) -> None:
     optim = tree.get("optim")
     if isinstance(optim, dict) and isinstance(optim.get("betas"), list):
         optim["betas"] = tuple(optim["betas"])
-
-
-def to_toml(recipe: Recipe) -> str:
-    """The fully resolved recipe as TOML (what `--dry-run` prints and the run directory keeps)."""
-    lines: list[str] = []
-
-    def emit(prefix: str, table: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
-        if prefix:
-            lines.append(f"\n[{prefix}]")
-        for k, v in scalars.items():
-            if v is not None:
-                lines.append(f"{k} = {toml_value(v)}")
-        for k, v in table.items():
-            if isinstance(v, dict):
-                emit(f"{prefix}.{k}" if prefix else k, v)
-
-    emit("", recipe.model_dump(mode="python"))
-    return "\n".join(lines).lstrip() + "\n"
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{s}"'

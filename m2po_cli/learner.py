@@ -12,22 +12,14 @@ temperature; elsewhere it is 0 (only response tokens are scored, see `logprobs.p
 
 from __future__ import annotations
 
-import atexit
-import collections
-import functools
-import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,33 +31,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from m2po_cli.batch import IDLE, Batch, micro_batches
 from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
+from m2po_cli.distributed import all_reduce, init_distributed
+from m2po_cli.hf_weights import HFWeights
 from m2po_cli.logprobs import install_head, score_request
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
-
-
-def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
-    """Join torchrun's group, or make a one-rank group, so one code path serves both.
-
-    `timeout` bounds every collective (NCCL's default, 10 minutes, is shorter than a rollout batch
-    of the paper's size)."""
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():  # before NCCL starts, so each rank's communicator uses its own GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        # A private folder for the store's file, removed at exit (FileStore leaves its file behind).
-        store_dir = tempfile.mkdtemp(prefix="m2po-pg-")
-        atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
-        store = dist.FileStore(os.path.join(store_dir, "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
@@ -74,58 +48,6 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
     if dtype != "bfloat16":
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-@dataclass
-class Batch:
-    """One rank's rows of a training batch, right-padded to the longest row."""
-
-    tokens_BL: torch.Tensor  # int64
-    mask_BL: torch.Tensor  # float32, 1 on response tokens
-    behaviour_logprobs_BL: torch.Tensor  # float32, 0 off the mask
-    advantages_B: torch.Tensor  # float32
-    lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
-
-    def take(self, index_K: torch.Tensor) -> Batch:
-        """Rows at `index_K`, trimmed to their own longest row."""
-        length = int(self.lengths_B[index_K].max())
-        return Batch(
-            self.tokens_BL[index_K, :length],
-            self.mask_BL[index_K, :length],
-            self.behaviour_logprobs_BL[index_K, :length],
-            self.advantages_B[index_K],
-            self.lengths_B[index_K],
-        )
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens_BL.shape[0]
-
-    @property
-    def advantages_BL(self) -> torch.Tensor:
-        """Each row's sequence advantage, repeated along its tokens."""
-        return self.advantages_B[:, None].expand_as(self.mask_BL)
-
-
-def micro_batches(lengths_B: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
-    """Row indices of each micro-batch: rows sorted longest first, cut greedily so that a
-    micro-batch has at most `max_rows` rows and, padded to its longest, at most `max_tokens` tokens
-    (0: no token budget; a row longer than the budget goes alone)."""
-    order_B = torch.sort(lengths_B, descending=True, stable=True).indices
-    sorted_lengths = lengths_B[order_B].tolist()
-    cuts = [0]
-    for i in range(1, len(sorted_lengths)):
-        count = i - cuts[-1] + 1  # rows if row i joins; the first row of a micro-batch is its longest
-        if count > max_rows or (max_tokens and count * sorted_lengths[cuts[-1]] > max_tokens):
-            cuts.append(i)
-    ends = cuts[1:] + [len(sorted_lengths)]
-    return [order_B[a:b] for a, b in zip(cuts, ends, strict=True)] if sorted_lengths else []
-
-
-def padding_overhead(lengths_B: torch.Tensor, parts: list[torch.Tensor]) -> float:
-    """Padded tokens computed over real tokens, for the micro-batches `parts`."""
-    padded = sum(len(p) * int(lengths_B[p].max()) for p in parts if len(p))
-    return padded / max(int(lengths_B.sum()), 1)
 
 
 class Learner:
@@ -138,13 +60,13 @@ class Learner:
         self.arch: ModelArch = load_arch(model_dir)
         self.model = self._build(model_dir)
         self.head = install_head(self.model)
+        self.hf = HFWeights(self.model, self.arch.adapter, self.rank)
         o = recipe.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.version = 0  # optimizer updates applied
-        # How `update` gets a global keep mask (`m2po`): "auto", "score_first" or "correct_after".
         self._provisional_z = math.inf  # the previous update's mask threshold (`mask_correction`)
         self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
 
@@ -232,7 +154,7 @@ class Learner:
         entropy_BL = torch.zeros_like(batch.mask_BL) if with_entropy else None
         for index in self.micro_batches(batch):
             if not index.numel():
-                self.forward_logprobs(_IDLE)
+                self.forward_logprobs(IDLE)
                 continue
             part = batch.take(index)
             lp, ent = self.forward_logprobs(part, with_entropy)
@@ -387,7 +309,7 @@ class Learner:
             yield index, part, lp
 
     def _idle_backward(self) -> None:
-        lp, _ = self.forward_logprobs(_IDLE)
+        lp, _ = self.forward_logprobs(IDLE)
         (lp.sum() * 0.0).backward()  # this rank's share of FSDP2's collectives
 
     def _clip(self) -> float:
@@ -401,75 +323,15 @@ class Learner:
     # --- weights out ------------------------------------------------------------------------------
 
     def hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights under HF names, cast to `dtype`, one parameter at a time.
-
-        A collective: every rank must exhaust the iterator, in step with the others (each parameter's
-        `full_tensor()` is an all-gather). Only one full parameter exists at a time, on the learner's
-        device; nothing is copied to the host. A tied output layer is not sent (it is the embedding).
-        """
-        for name, value in self.model.state_dict().items():
-            hf_name = self._hf_names.get(_plain_fqn(name))
-            if hf_name is None:
-                continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            ((converted_name, converted),) = self.arch.adapter.to_hf({_plain_fqn(name): full}).items()
-            assert converted_name == hf_name, (converted_name, hf_name)
-            yield hf_name, converted.detach().to(dtype)
+        """Full weights under HF names, cast to `dtype`, one parameter at a time (`HFWeights.stream`)."""
+        return self.hf.stream(dtype)
 
     def hf_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(HF name, full shape) of each tensor `hf_weights` yields, in its order; gathers nothing."""
-        shapes = []
-        for name, value in self.model.state_dict().items():
-            hf_name = self._hf_names.get(_plain_fqn(name))
-            if hf_name is not None:
-                meta = torch.empty(value.shape, dtype=value.dtype, device="meta")  # DTensor: the global shape
-                ((_, converted),) = self.arch.adapter.to_hf({_plain_fqn(name): meta}).items()
-                shapes.append((hf_name, tuple(converted.shape)))
-        return shapes
-
-    @functools.cached_property
-    def _hf_names(self) -> dict[str, str]:
-        """torchtitan FQN -> HF name of every parameter the HF checkpoint holds (from shapes only)."""
-        names = {}
-        for name, value in self.model.state_dict().items():
-            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
-            converted = self.arch.adapter.to_hf({_plain_fqn(name): meta})
-            if converted:
-                ((names[_plain_fqn(name)], _),) = converted.items()
-        return names
+        return self.hf.shapes()
 
     def export_hf(self, out_dir: Path, model_dir: Path, shard_bytes: int = 4 * 2**30) -> None:
-        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes).
-
-        Streams: at most one shard of `shard_bytes` is held on the host; several shards get an
-        HF `model.safetensors.index.json`.
-        """
-        dtype = getattr(torch, export_dtype(self.recipe.model.dtype))
-        plan = _shard_plan(self._export_sizes(dtype), shard_bytes)
-        if self.rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        left = collections.Counter(plan.values())  # tensors still to come, per shard file
-        shard: dict[str, torch.Tensor] = {}
-        for name, tensor in self.hf_weights(dtype):
-            if self.rank != 0:
-                continue
-            shard[name] = tensor.cpu().contiguous()
-            left[plan[name]] -= 1
-            if not left[plan[name]]:
-                save_file(shard, str(out_dir / plan[name]), metadata={"format": "pt"})
-                shard = {}
-        if self.rank != 0:
-            return
-        if len(left) > 1:
-            total = sum(self._export_sizes(dtype).values())
-            index = {"metadata": {"total_size": total}, "weight_map": plan}
-            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        copy_model_files(model_dir, out_dir)
-
-    def _export_sizes(self, dtype: torch.dtype) -> dict[str, int]:
-        state = self.model.state_dict()
-        by_fqn = {_plain_fqn(k): v for k, v in state.items()}
-        return {hf: by_fqn[fqn].numel() * dtype.itemsize for fqn, hf in self._hf_names.items()}
+        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes)."""
+        self.hf.export(out_dir, model_dir, self.recipe.model.dtype, shard_bytes)
 
     # --- checkpoint state -------------------------------------------------------------------------
 
@@ -496,58 +358,6 @@ class Learner:
         self._correction_frac = state["global_mask"]["correction_frac"]
 
 
-def export_dtype(choice: str) -> str:
-    """The dtype of HF exports: bfloat16 only when asked for; `auto` exports the float32 master
-    weights, so an export does not depend on the machine that wrote it."""
-    return "bfloat16" if choice == "bfloat16" else "float32"
-
-
-def write_hf(out_dir: Path, hf_state: dict[str, torch.Tensor], model_dir: Path, dtype_choice: str) -> None:
-    """`hf_state` as `model.safetensors` beside the source model's config and tokenizer files."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, export_dtype(dtype_choice))
-    save_file({k: v.to(dtype).contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"))
-    copy_model_files(model_dir, out_dir)
-
-
-def copy_model_files(model_dir: Path, out_dir: Path) -> None:
-    """The source model's config and tokenizer files (everything but its weights)."""
-    for f in Path(model_dir).iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".index.json", ".bin", ".gguf")):
-            (out_dir / f.name).write_bytes(f.read_bytes())
-
-
-def _plain_fqn(name: str) -> str:
-    """The module path without the wrappers that activation checkpointing and compile add."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-def _shard_plan(sizes: dict[str, int], shard_bytes: int) -> dict[str, str]:
-    """HF shard file of each tensor: consecutive tensors fill shards of up to `shard_bytes`."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes.items():
-        if groups[-1] and used + size > shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += size
-    if len(groups) == 1:
-        return dict.fromkeys(groups[0], "model.safetensors")
-    n = len(groups)
-    return {name: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups) for name in g}
-
-
-# A micro-batch for a rank with none left: one 2-token row whose one scored token has no weight.
-_IDLE = Batch(
-    torch.zeros(1, 2, dtype=torch.long),
-    torch.tensor([[0.0, 1.0]]),
-    torch.zeros(1, 2),
-    torch.zeros(1),
-    torch.tensor([2]),
-)
-
-
 def _add(totals: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
     for k, v in values.items():
         totals[k] = totals.get(k, 0) + v.detach().float().cpu()
@@ -558,6 +368,4 @@ def _all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return values
     keys = sorted(values)
     flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flat)
-    return dict(zip(keys, flat, strict=True))
+    return dict(zip(keys, all_reduce(flat, dist.ReduceOp.SUM), strict=True))

@@ -17,7 +17,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from m2po_cli.config import Recipe, Table, toml_value
+from m2po_cli.config import Recipe, Table
+from m2po_cli.tomlconf import toml_value
 
 INTRO = """\
 <!-- Generated from m2po_cli/config.py by `python -m m2po_cli.recipe_docs > docs/recipes.md`; do not edit. -->

@@ -192,3 +192,34 @@ def describe(err: ValidationError, root: type[Table]) -> tuple[str, str]:
         return key, f"must be {_TYPE_NAMES[kind]} (got {_show(got)})"
     msg = re.sub(r"^(Input|String|Tuple|List|Value) should", "must", e["msg"])
     return key, f"{msg[0].lower()}{msg[1:]} (got {_show(got)})"
+
+
+def to_toml(config: BaseModel) -> str:
+    """A fully resolved config as TOML (for a recipe: what `--dry-run` prints and the run directory keeps)."""
+    lines: list[str] = []
+
+    def emit(prefix: str, table: dict[str, Any]) -> None:
+        scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        if prefix:
+            lines.append(f"\n[{prefix}]")
+        for k, v in scalars.items():
+            if v is not None:
+                lines.append(f"{k} = {toml_value(v)}")
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(f"{prefix}.{k}" if prefix else k, v)
+
+    emit("", config.model_dump(mode="python"))
+    return "\n".join(lines).lstrip() + "\n"
+
+
+def toml_value(v: Any) -> str:
+    """One value as a TOML literal."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'

@@ -17,9 +17,9 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from m2po_cli import loss as loss_module
-from m2po_cli.config import M2POCapLoss, M2POLoss
+from m2po_cli import second_moment
 from m2po_cli.loss import build_loss
+from m2po_cli.loss_config import M2POCapLoss, M2POLoss
 
 ROWS, COLS = 13, 40
 RANK_ROWS = [(0, 4), (4, ROWS)]  # uneven on purpose
@@ -96,7 +96,7 @@ def main() -> int:
     rank = dist.get_rank()
     cases = []
     for num_bins in (1024, 1):  # 1: one bin, the search sorts every value above sqrt(tau)
-        with mock.patch.object(loss_module, "NUM_BINS", num_bins):
+        with mock.patch.object(second_moment, "NUM_BINS", num_bins):
             cases.append(compare(f"m2po bins{num_bins}", M2POLoss(), rank))
             cases.append(compare(f"m2po tau=0.01 bins{num_bins}", M2POLoss(tau=0.01), rank))
             cases.append(compare(f"m2po_cap global bins{num_bins}", M2POCapLoss(scope="global"), rank))

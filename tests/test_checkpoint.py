@@ -154,7 +154,7 @@ def test_eval_rejects_a_damaged_step_in_one_line(tiny, tmp_path):
 
 
 def test_a_one_process_group_leaves_nothing_in_tmpdir(tmp_path):
-    code = "from m2po_cli.learner import init_distributed; init_distributed()"
+    code = "from m2po_cli.distributed import init_distributed; init_distributed()"
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)

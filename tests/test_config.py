@@ -18,8 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from m2po_cli.cli import main
-from m2po_cli.config import PAPER_PROMPT_TEMPLATE, Recipe, Table, load_recipe, to_toml
+from m2po_cli.config import PAPER_PROMPT_TEMPLATE, Recipe, Table, load_recipe
 from m2po_cli.recipe_docs import render
+from m2po_cli.tomlconf import to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.toml"

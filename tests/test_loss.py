@@ -15,9 +15,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from m2po_cli import loss as loss_module
-from m2po_cli.config import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTRLoss, Recipe
-from m2po_cli.loss import MissingBehaviourLogprobs, build_loss, ratio_quantiles
+from m2po_cli import second_moment
+from m2po_cli.config import Recipe
+from m2po_cli.loss import QUANTILES, MissingBehaviourLogprobs, build_loss, ratio_quantiles
+from m2po_cli.loss_config import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTRLoss
 
 ALL_LOSSES = [
     GRPOLoss(),
@@ -158,7 +159,7 @@ def test_m2po_matches_algorithm1(batch, num_bins):
     log_ratio, advantages, valid, tau = batch
     # Behaviour logprobs of 0 keep log r exact: logprobs - 0 == log r.
     behaviour = torch.zeros_like(log_ratio)
-    with mock.patch.object(loss_module, "NUM_BINS", num_bins):
+    with mock.patch.object(second_moment, "NUM_BINS", num_bins):
         loss, _, metrics, keep, prepared = run_whole(
             M2POLoss(tau=tau), log_ratio, advantages, valid, behaviour
         )
@@ -180,7 +181,7 @@ def test_m2po_cap_matches_released_rule(batch, num_bins):
     log_ratio, advantages, valid, tau = batch
     behaviour = torch.zeros_like(log_ratio)
     for scope in ("micro_batch", "global"):  # one micro-batch: both scopes see the same tokens
-        with mock.patch.object(loss_module, "NUM_BINS", num_bins):
+        with mock.patch.object(second_moment, "NUM_BINS", num_bins):
             loss, _, metrics, _, prepared = run_whole(
                 M2POCapLoss(tau=tau, scope=scope), log_ratio, advantages, valid, behaviour
             )
@@ -357,7 +358,7 @@ def test_ratio_quantiles_are_exact_order_statistics():
     valid = torch.rand(7, 33, generator=g) > 0.3
     metrics = ratio_quantiles(log_ratio, valid)
     values = log_ratio[valid]
-    for name, q in loss_module.QUANTILES.items():
+    for name, q in QUANTILES.items():
         expected = torch.quantile(values, q, interpolation="lower").exp()
         assert float(metrics[f"loss/ratio_{name}"]) == pytest.approx(float(expected), rel=1e-6)
     assert float(metrics["loss/ratio_max"]) == pytest.approx(float(values.max().exp()), rel=1e-6)

@@ -16,8 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from m2po_cli import models
-from m2po_cli.models import BOXED_TOKEN, EOS_TOKEN, PAD_TOKEN, char_tokenizer, resolve_model
+from m2po_cli import builtin_models, models
+from m2po_cli.builtin_models import BOXED_TOKEN, EOS_TOKEN, PAD_TOKEN, char_tokenizer
+from m2po_cli.config import BUILTIN_MODELS
+from m2po_cli.models import resolve_model
 
 TINY = ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"]
 BOXED = re.compile(r"\\boxed\{(\d+)\}$")
@@ -151,7 +153,7 @@ def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, 
         raise RuntimeError("interrupted")
 
     with monkeypatch.context() as m:
-        m.setattr(models, "warm_start", fail)
+        m.setattr(builtin_models, "warm_start", fail)
         with pytest.raises(RuntimeError, match="interrupted"):
             resolve_model(cheap_builtin)
     assert not final.exists()
@@ -219,3 +221,8 @@ def test_smollm2_recipe_prompts_are_short_and_fit():
     assert max(len(p.token_ids) for p in prompts) <= recipe.data.max_prompt_tokens <= 80
     text = tokenizer.decode(prompts[0].token_ids)
     assert f"Find the sum {prompts[0].problem.problem}." in text and "\\boxed{<sum>}" in text
+
+
+def test_the_recipe_schema_knows_every_builtin_and_no_other():
+    """`model.path` is checked against `config.BUILTIN_MODELS` without importing the builders."""
+    assert sorted(BUILTIN_MODELS) == sorted(models.BUILTINS)

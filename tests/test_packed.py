@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from m2po_cli import logprobs as logprobs_module
-from m2po_cli.learner import Learner, micro_batches
+from m2po_cli.batch import micro_batches
+from m2po_cli.learner import Learner
 from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model

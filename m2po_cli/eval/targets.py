@@ -186,7 +186,7 @@ def export_step(step: Path) -> Path:
 
 def _convert(step: Path, run: Path, out: Path) -> None:
     from m2po_cli.config import load_recipe
-    from m2po_cli.learner import write_hf
+    from m2po_cli.hf_weights import write_hf
     from m2po_cli.models import resolve_model
     from m2po_cli.titan import load_arch
 

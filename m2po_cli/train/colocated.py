@@ -21,6 +21,7 @@ from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
+from m2po_cli.distributed import all_reduce
 from m2po_cli.errors import RunError
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
@@ -29,7 +30,7 @@ from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.train.runlog import RunLog
-from m2po_cli.train.updates import all_reduce, rows_per_update
+from m2po_cli.train.updates import rows_per_update
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
-from m2po_cli.learner import Batch
+from m2po_cli.batch import Batch
 from m2po_cli.rollout.engine import Completion
 
 

