@@ -26,7 +26,6 @@ from m2po_cli.eval.targets import Target, TargetError, export_step, resolve_targ
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
 from m2po_cli.tomlconf import to_toml
-from m2po_cli.train.fifo import StalenessQueue
 from tests.conftest import recipe_for
 from tests.tolerances import forward_atol
 
@@ -184,7 +183,7 @@ def run_dir(tmp_path_factory):
             for p in learner.model.parameters():
                 local = p.to_local()  # one rank: the whole tensor
                 local.add_(0.2 * torch.randn(local.shape, generator=gen))
-        checkpoint.save(run, step, learner, {"step": step}, keep=5, queue=StalenessQueue(0))
+        checkpoint.save(run, step, learner, {"step": step, "mode": "colocated"}, keep=5)
     learner.export_hf(run / "export", base)
     return run
 

@@ -164,7 +164,7 @@ class RolloutProducer:
 
     # --- the thread's side ------------------------------------------------------------------------
 
-    def _admit(self) -> tuple[int, Ticket, int, int] | None:
+    def admit(self) -> tuple[int, Ticket, int, int] | None:
         """The next request to send: (key, prompt, version, sync epoch), or None if none may go now."""
         with self.cond:
             if self.syncing or self.stopping:
@@ -190,7 +190,7 @@ class RolloutProducer:
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as http:
             tasks: set[asyncio.Task] = set()
             while not self.stopping and self.error is None:
-                request = self._admit()
+                request = self.admit()
                 if request is None:
                     await asyncio.sleep(0.005)
                     continue
@@ -229,6 +229,13 @@ class RolloutProducer:
                     self.cond.notify_all()
                     return
             completions = None
+        self.finish(key, ticket, version, sync, completions)
+
+    def finish(
+        self, key: int, ticket: Ticket, version: int, sync: int, completions: list[Completion] | None
+    ) -> None:
+        """Request `key` (admitted at engine `version`, sync epoch `sync`) came back: its group joins
+        the buffer, or, with no answer or across a sync, its prompt is submitted again."""
         with self.cond:
             if completions is not None:
                 self._failures = 0
