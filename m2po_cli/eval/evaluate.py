@@ -35,6 +35,7 @@ from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, digest
 from m2po_cli.eval.report import markdown_table, rich_table, summarize_benchmark, summarize_target
 from m2po_cli.eval.targets import Target, TargetError, stable_hash
 from m2po_cli.grader import Grader, extract_boxed
+from m2po_cli.rollout.settings import is_finished
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
 
@@ -319,7 +320,7 @@ def grade_and_append(
             "answer": extract_boxed(completion.text),
             "correct": score == 1.0,
             "tokens": len(completion.token_ids),
-            "finished": completion.finish_reason == "stop",
+            "finished": is_finished(completion.finish_reason),
         }
         plans[job.bench].records[(job.problem.id, sample)] = record
         lines.setdefault(job.bench, []).append(json.dumps(record, ensure_ascii=False) + "\n")

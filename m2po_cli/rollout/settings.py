@@ -1,0 +1,97 @@
+"""The settings every vLLM engine of the project takes: the in-process one of each rank (and of
+`m2po eval`) and `vllm serve` alike, written once here.
+
+`engine_args` are vLLM's engine arguments by their Python names; `vllm.LLM` takes them as keywords
+and `cli_flags` spells them as `vllm serve` flags. `rollout_sampling` is the sampling of every
+rollout, `is_finished` what counts as a response that ended by itself.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from m2po_cli.config import RolloutConfig
+
+# vLLM imports the worker extension by name in every worker process (`rollout/worker.py`).
+WORKER_EXTENSION = "m2po_cli.rollout.worker.WeightSync"
+
+
+def engine_args(
+    model_dir: Path,
+    *,
+    dtype: str,
+    max_model_len: int,
+    tensor_parallel_size: int,
+    enforce_eager: bool,
+    kv_cache_gib: float,
+    gpu_memory_utilization: float,
+    on_gpu: bool,
+    behaviour_logprobs: bool,
+) -> dict[str, Any]:
+    """The engine arguments of one engine. `behaviour_logprobs`: a rollout engine, whose sampled
+    tokens' logprobs are the behaviour policy's. The KV cache is sized in bytes on the CPU, as a
+    share of the device's memory on a GPU."""
+    args: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=enforce_eager,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_prefix_caching=True,
+    )
+    if behaviour_logprobs:
+        # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
+        args["logprobs_mode"] = "processed_logprobs"
+    if on_gpu:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    return args
+
+
+def cli_flags(args: dict[str, Any]) -> list[str]:
+    """`engine_args` as `vllm serve` flags: `--name value`, a bare `--name` for True, nothing for False."""
+    flags: list[str] = []
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, str(value)]
+    return flags
+
+
+def cpu_threads(local_rank: int, local_world: int) -> dict[str, str]:
+    """vLLM's CPU thread binding for one of `local_world` engines on this host: its share of the
+    cores (binding doubles throughput here), none reserved."""
+    cores = os.cpu_count() or 1
+    per_rank = max(1, cores // local_world)
+    first = (local_rank * per_rank) % cores
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + per_rank - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
+def rollout_sampling(cfg: RolloutConfig) -> dict[str, Any]:
+    """One prompt's rollout sampling: `n` samples at the recipe's temperature from the untruncated
+    distribution (no top-p, top-k or min-p, so behaviour logprobs are the full policy's), each
+    sampled token's logprob returned."""
+    return dict(
+        n=cfg.n,
+        temperature=cfg.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=cfg.max_new_tokens,
+        logprobs=0,
+    )
+
+
+def is_finished(finish_reason: str | None) -> bool:
+    """A response that ended by itself (EOS or a stop token), not cut at `max_tokens` or aborted."""
+    return finish_reason == "stop"
