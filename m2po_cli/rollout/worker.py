@@ -38,7 +38,7 @@ class WeightSync:
         return version
 
     def m2po_push(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """The in-process push: on CPU, straight into the engine's storage (`engine_weights`); on a
+        """The in-process push: on CPU, straight into the engine's storage (`rollout/weights.py`); on a
         GPU, vLLM's layerwise reload (no repacking there). Stamps and returns the version."""
         from vllm.platforms import current_platform
 
