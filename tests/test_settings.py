@@ -1,0 +1,61 @@
+"""The engine settings are written once: the in-process engine and `vllm serve` take the same ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from m2po_cli.config import load_recipe
+from m2po_cli.rollout.server import sampling_body, serve_command
+from m2po_cli.rollout.settings import cli_flags, cpu_threads, engine_args, is_finished, rollout_sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_flags_spell_every_argument_the_way_vllm_serve_reads_it():
+    args = {"max_model_len": 64, "enable_prefix_caching": True, "enforce_eager": False, "seed": 0}
+    assert cli_flags(args) == ["--max-model-len", "64", "--enable-prefix-caching", "--seed", "0"]
+
+
+def test_a_started_server_takes_every_setting_of_the_in_process_engine():
+    cfg = load_recipe(ROOT / "recipes" / "quickstart-separate.toml").rollout
+    args = engine_args(
+        Path("/models/policy"),
+        dtype="float32",
+        max_model_len=96,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager,
+        kv_cache_gib=cfg.kv_cache_gib,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        on_gpu=torch.cuda.is_available(),  # as `serve_command` decides
+        behaviour_logprobs=True,
+    )
+    assert args["logprobs_mode"] == "processed_logprobs" and args["seed"] == 0
+    cmd = serve_command(Path("/models/policy"), cfg, "float32", 96, port=8123)
+    flags = cli_flags(args)
+    starts = [i for i in range(len(cmd)) if cmd[i : i + len(flags)] == flags]
+    assert starts, f"vllm serve lacks some engine settings: {sorted(set(flags) - set(cmd))}"
+
+
+def test_rollout_requests_sample_as_the_in_process_engine_does():
+    cfg = load_recipe(ROOT / "recipes" / "quickstart.toml").rollout
+    body = sampling_body([1, 2, 3], cfg)
+    assert {k: body[k] for k in rollout_sampling(cfg)} == rollout_sampling(cfg)
+    assert (body["top_p"], body["top_k"], body["min_p"]) == (1.0, 0, 0.0), "sampling must be untruncated"
+
+
+def test_cpu_engines_on_one_host_bind_disjoint_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    binds = [cpu_threads(rank, 4)["VLLM_CPU_OMP_THREADS_BIND"] for rank in range(4)]
+    assert binds == ["0-1", "2-3", "4-5", "6-7"]
+    assert cpu_threads(0, 1)["VLLM_CPU_OMP_THREADS_BIND"] == "0-7"
+
+
+def test_only_a_response_that_stopped_by_itself_is_finished():
+    assert (
+        is_finished("stop")
+        and not is_finished("length")
+        and not is_finished("abort")
+        and not is_finished(None)
+    )
