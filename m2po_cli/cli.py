@@ -36,7 +36,10 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
     from m2po_cli.data import DataError, is_hub, load_problems
 
     try:
-        resolved = load_recipe(recipe, list(overrides))
+        notes: list[str] = []
+        resolved = load_recipe(recipe, list(overrides), notes)
+        for note in notes:
+            click.echo(note, err=True)
         # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
         problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data)
     except (ConfigError, DataError) as e:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from m2po_cli.loss_config import AlgorithmConfig, LossConfig, M2POLoss
+from m2po_cli.loss_config import LOSS_KEYS, AlgorithmConfig, LossConfig, M2POLoss
 from m2po_cli.tomlconf import ConfigError as ConfigError  # noqa: F401  (re-exported)
 from m2po_cli.tomlconf import Table, field, load
 
@@ -380,12 +380,26 @@ class Recipe(Table):
 # --- loading -------------------------------------------------------------------------------------
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: Sequence[str] = (), notes: list[str] | None = None) -> Recipe:
     """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError.
 
-    Errors name the file; those caused by an override name it as `FILE (--set)`.
+    Errors name the file; those caused by an override name it as `FILE (--set)`. `--set
+    loss.type=X` switches the loss: the keys of the file's `[loss]` that X does not take are dropped,
+    and `notes` (if given) gets one line saying which.
     """
-    return load(Recipe, Path(path), overrides, prepare=_arrays_as_tuples)
+
+    def switch_loss(tree: dict[str, Any], key: str, value: Any) -> None:
+        loss = tree.get("loss")
+        if key != "loss.type" or not isinstance(loss, dict) or loss.get("type", "m2po") == value:
+            return
+        dropped = sorted(k for k in loss if k != "type" and k not in LOSS_KEYS.get(value, set()))
+        for k in dropped:
+            del loss[k]
+        if dropped and notes is not None:
+            names = ", ".join(f"loss.{k}" for k in dropped)
+            notes.append(f'{path} (--set): loss.type = "{value}" drops {names}, which {value} does not take')
+
+    return load(Recipe, Path(path), overrides, prepare=_arrays_as_tuples, before_set=switch_loss)
 
 
 def _arrays_as_tuples(tree: dict[str, Any]) -> None:

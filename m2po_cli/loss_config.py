@@ -6,7 +6,7 @@ GRPO only here. `loss.py` implements each type; docs/losses.md compares them.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
@@ -67,3 +67,8 @@ class GSPOLoss(Table):
 
 
 LossConfig = Annotated[GRPOLoss | NoTRLoss | M2POLoss | M2POCapLoss | GSPOLoss, Field(discriminator="type")]
+
+# The keys each loss type's table takes, by type.
+LOSS_KEYS = {
+    table.model_fields["type"].default: set(table.model_fields) for table in get_args(get_args(LossConfig)[0])
+}

@@ -44,10 +44,13 @@ def load(
     *,
     default_source: str = "defaults",
     prepare: Callable[[dict[str, Any]], None] | None = None,
+    before_set: Callable[[dict[str, Any], str, Any], None] | None = None,
 ) -> T:
     """`path` (or only the defaults when None) with `--set` overrides, validated into `model`.
 
-    `prepare` adjusts the raw tree before validation (e.g. TOML arrays into tuples). Raises ConfigError.
+    `before_set(tree, key, value)` sees the tree before each override applies (e.g. to switch a
+    table's type); `prepare` adjusts the raw tree before validation (e.g. TOML arrays into tuples).
+    Raises ConfigError.
     """
     source = str(path) if path is not None else default_source
     tree = read_toml(path) if path is not None else {}
@@ -55,6 +58,8 @@ def load(
     overridden = []
     for text in overrides:
         key, value = parse_override(text, via_set)
+        if before_set is not None:
+            before_set(tree, key, value)
         set_path(tree, key, value, via_set)
         overridden.append(key)
     if prepare is not None:

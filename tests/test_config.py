@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from m2po_cli.cli import main
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, Recipe, Table, load_recipe
 from m2po_cli.recipe_docs import render
-from m2po_cli.tomlconf import to_toml
+from m2po_cli.tomlconf import ConfigError, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.toml"
@@ -52,16 +52,31 @@ def test_toml_file_loads(path: Path):
         tomllib.loads(path.read_text())
 
 
-@pytest.mark.parametrize("name", GPU_TWINS)
-def test_grpo_twin_differs_only_in_loss(name: str):
-    m2po_path, grpo_path = ROOT / f"recipes/{name}.toml", ROOT / f"recipes/{name}-grpo.toml"
+def grpo_twin(m2po_recipe: Path) -> Path:
+    """`NAME-grpo.toml`, or `NAME-grpo-separate.toml` for `NAME-separate.toml`."""
+    stem = m2po_recipe.stem
+    twin = f"{stem.removesuffix('-separate')}-grpo-separate" if stem.endswith("-separate") else f"{stem}-grpo"
+    return m2po_recipe.with_name(f"{twin}.toml")
+
+
+M2PO_RECIPES = [p for p in RECIPES if "-grpo" not in p.stem]
+
+
+def test_every_recipe_has_its_grpo_twin():
+    assert len(M2PO_RECIPES) == 9
+    assert sorted(RECIPES) == sorted(M2PO_RECIPES + [grpo_twin(p) for p in M2PO_RECIPES])
+
+
+@pytest.mark.parametrize("m2po_path", M2PO_RECIPES, ids=lambda p: p.stem)
+def test_grpo_twin_differs_only_in_loss(m2po_path: Path):
+    grpo_path = grpo_twin(m2po_path)
     m2po_tree, grpo_tree = (tomllib.loads(p.read_text()) for p in (m2po_path, grpo_path))
     for tree in (m2po_tree, grpo_tree):
         tree.pop("loss")
         tree["run"].pop("name")
     assert m2po_tree == grpo_tree
 
-    _check_values(load_recipe(m2po_path), {"loss.type": "m2po", "loss.tau": 0.04, "run.name": name})
+    _check_values(load_recipe(m2po_path), {"loss.type": "m2po", "loss.tau": 0.04, "run.name": m2po_path.stem})
     _check_values(
         load_recipe(grpo_path),
         {"loss.type": "grpo", "loss.eps_low": 0.2, "loss.eps_high": 0.2, "loss.dual_clip": None},
@@ -298,6 +313,29 @@ def test_override_precedence_and_types():
     assert r.run.steps == 9  # the last override wins
     assert load_recipe(QUICKSTART, ["optim.betas=[0.8, 0.9]"]).optim.betas == (0.8, 0.9)
     assert load_recipe(QUICKSTART, ['loss={type = "grpo"}']).loss.type == "grpo"
+
+
+def test_setting_the_loss_type_switches_the_loss_and_says_what_it_dropped():
+    notes: list[str] = []
+    r = load_recipe(QUICKSTART, ["loss.type=grpo", "loss.eps_high=0.28"], notes)
+    assert (r.loss.type, r.loss.eps_low, r.loss.eps_high) == ("grpo", 0.2, 0.28)
+    assert notes == [f'{QUICKSTART} (--set): loss.type = "grpo" drops loss.tau, which grpo does not take']
+    notes.clear()
+    r = load_recipe(QUICKSTART, ["loss.type=m2po_cap", "loss.type=m2po"], notes)
+    assert (r.loss.type, r.loss.tau) == ("m2po", 0.04) and notes == [], "tau is a key of both"
+    with pytest.raises(ConfigError, match="loss.tau"):  # set after the switch: the new type lacks it
+        load_recipe(QUICKSTART, ["loss.type=grpo", "loss.tau=0.02"])
+
+
+def test_the_cli_says_what_a_loss_switch_dropped():
+    proc = _cli("train", str(QUICKSTART), "--set", "loss.type=no_tr", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith('loss.type = "no_tr" drops loss.tau, which no_tr does not take')
+    )
+    assert '[loss]\ntype = "no_tr"\n' in proc.stdout
 
 
 def test_bad_overrides_fail_with_one_line():
