@@ -4,8 +4,9 @@
 own), the files the rollout source writes per rank (colocated: its rows of the staleness FIFO,
 `queue-RRRRR-of-WWWWW.safetensors`), and `loop.pt` (rank 0, tensors and plain values, read with
 `weights_only=True`): the step, the rollout mode, the learner's version and LR schedule, the data
-position, what the source carries (separate: the prompts in flight) and the RNG state. Then rank 0 writes `MANIFEST.json` (every file of the folder
-with its size), syncs the files and the folder to disk, and writes `COMPLETE` last.
+position, what the source carries (separate: the prompts in flight) and the RNG state. Then rank 0
+writes `MANIFEST.json` (every file of the folder with its size), syncs the files and the folder to
+disk, and writes `COMPLETE` last.
 
 A step counts only if it verifies (`verify`): `COMPLETE` is there, every file of the manifest has its
 size, every file DCP's `.metadata` names holds the bytes it points at, and the loop state loads.

@@ -59,3 +59,14 @@ def test_only_a_response_that_stopped_by_itself_is_finished():
         and not is_finished("abort")
         and not is_finished(None)
     )
+
+
+def test_every_engine_names_the_worker_extension_that_exists():
+    """vLLM imports the extension by name in each worker: the name must resolve to the class."""
+    import importlib
+
+    from m2po_cli.rollout.settings import WORKER_EXTENSION
+    from m2po_cli.rollout.worker import WeightSync
+
+    module, name = WORKER_EXTENSION.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is WeightSync

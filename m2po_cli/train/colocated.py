@@ -139,8 +139,8 @@ def rollout(
 
 
 def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None) -> VLLMEngine:
-    """This rank's rollout engine, on this rank's device (every rank builds one at the same time)."""
-    ColocatedSource.check(recipe, world)
+    """This rank's rollout engine, on this rank's device (every rank builds one at the same time;
+    the launch was checked before, `ColocatedSource.check`)."""
     return VLLMEngine(
         model_dir,
         recipe.rollout,

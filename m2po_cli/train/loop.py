@@ -38,6 +38,10 @@ class RolloutSource(Protocol):
 
     mode: str
 
+    @staticmethod
+    def check(recipe: Recipe, world: int) -> None:
+        """Cheap checks of the recipe against the launch, before anything starts (raises RunError)."""
+
     def start(self, first_step: int) -> None:
         """Before the first step: colocated fills the FIFO, separate pushes the weights and starts."""
 

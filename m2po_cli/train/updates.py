@@ -48,7 +48,7 @@ def train_on(
         index_K = (update_B == u).nonzero().squeeze(1)
         staleness_B[index_K] = learner.version - batch.version_B[index_K]
         rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
-        sample = record_sample(recorder, step, batch, index_K, learner)
+        sample = record_sample(recorder, step, batch, index_K, learner, staleness_B)
         t0 = time.perf_counter()
         m = learner.update(rows, loss_fn, int(tokens_U[u]))
         t1 = time.perf_counter()
@@ -84,9 +84,15 @@ def staleness_metrics(staleness_B: torch.Tensor, recipe: Recipe) -> dict[str, fl
 
 
 def record_sample(
-    recorder: Recorder, step: int, batch: PackedRollouts, index_K: torch.Tensor, learner: Learner
+    recorder: Recorder,
+    step: int,
+    batch: PackedRollouts,
+    index_K: torch.Tensor,
+    learner: Learner,
+    staleness_B: torch.Tensor,
 ) -> Sample | None:
-    """This rank's rows among the update's recorded ones, scored by the learner just before the update.
+    """This rank's rows among the update's recorded ones, scored by the learner just before the
+    update; each with its staleness at this update (`staleness_B`, from `train_on`).
 
     The recorder chooses among all rows of the update (their ids and lengths gathered from every
     rank); each rank scores the chosen rows it holds. A collective.
@@ -115,7 +121,7 @@ def record_sample(
         entropy_N=entropy_BL[mask_BL],
         lengths_R=rows.response_len_B,
         advantages_R=rows.advantages_B,
-        staleness_R=learner.version - rows.version_B,
+        staleness_R=staleness_B[mine_K],
         update_R=per_row(learner.version),
         row_R=rows.row_B,
         scored_R=torch.full((rows.num_rows,), scored),
