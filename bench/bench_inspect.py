@@ -64,7 +64,7 @@ def _sample(g: torch.Generator, update: int, staleness: int) -> Sample:
         entropy_N=torch.rand(n, generator=g) * 2,
         lengths_R=torch.full((rows,), RESPONSE),
         advantages_R=torch.randn(rows, generator=g),
-        staleness_R=torch.full((rows,), staleness),
+        staleness_N=torch.full((n,), staleness),
         update_R=torch.full((rows,), update),
         row_R=torch.arange(rows),
         scored_R=torch.ones(rows, dtype=torch.bool),

@@ -160,7 +160,13 @@ class RolloutConfig(Table):
         1, "Separate mode: send the weights to the engines every this many updates.", ge=1
     )
     server_start_timeout_s: float = field(
-        600.0, "Separate mode: seconds a started or attached server may take to answer /health.", gt=0
+        600.0, "Separate mode: seconds a started server may take to answer /health.", gt=0
+    )
+    request_timeout_s: float = field(
+        1800.0,
+        "Separate mode: seconds one rollout request may take, and the longest the learner waits with no "
+        "group finishing, before the run stops naming the server; must be below run.collective_timeout_minutes.",
+        gt=0,
     )
     prompts_per_step: int = field(32, "Prompts per rollout batch.", ge=1)
     n: int = field(8, "Samples per prompt (the GRPO group size).", ge=1)
@@ -330,6 +336,12 @@ class Recipe(Table):
             )
         if not separate:
             return
+        if self.rollout.request_timeout_s >= 60 * self.run.collective_timeout_minutes:
+            raise ValueError(
+                f"rollout.request_timeout_s: must be below run.collective_timeout_minutes "
+                f"({self.run.collective_timeout_minutes:g} min), or the other ranks time out before rank 0 "
+                f"can say which server stopped answering (got {self.rollout.request_timeout_s:g} s)"
+            )
         if self.algorithm.behaviour_logprobs != "engine":
             raise ValueError(
                 "algorithm.behaviour_logprobs: must be engine in separate mode (the learner no longer holds "

@@ -12,9 +12,9 @@ Layout (R recorded sequences; N their response tokens, packed sequence after seq
     learner_logprobs_N    float32  the learner's at the generating version (0 where `scored_R` is false)
     logprobs_N            float32  the learner's at the update, before it
     entropy_N             float32  the learner's entropy at the update, at the sampling temperature
+    staleness_N           int64    updates between the version that sampled the token and the update
     lengths_R             int64    response tokens of each sequence
     advantages_R          float32  its advantage
-    staleness_R           int64    updates between the generating version and the update
     update_R              int64    the update (the policy version it starts from)
     row_R                 int64    the sequence's row in its rollout batch
     scored_R              bool     the learner scored it at the generating version
@@ -38,10 +38,11 @@ from torch import Tensor
 
 from m2po_cli.config import InspectConfig
 
-FORMAT = "m2po-inspect-1"
+FORMAT = "m2po-inspect-2"
+FORMAT_1 = "m2po-inspect-1"  # staleness per sequence (`staleness_R`): read, each token given its row's
 DIR = "inspect"
-TOKEN_FIELDS = ("behaviour_logprobs_N", "learner_logprobs_N", "logprobs_N", "entropy_N")
-ROW_FIELDS = ("lengths_R", "advantages_R", "staleness_R", "update_R", "row_R", "scored_R")
+TOKEN_FIELDS = ("behaviour_logprobs_N", "learner_logprobs_N", "logprobs_N", "entropy_N", "staleness_N")
+ROW_FIELDS = ("lengths_R", "advantages_R", "update_R", "row_R", "scored_R")
 
 
 class RecordError(ValueError):
@@ -56,9 +57,9 @@ class Sample:
     learner_logprobs_N: Tensor
     logprobs_N: Tensor
     entropy_N: Tensor
+    staleness_N: Tensor
     lengths_R: Tensor
     advantages_R: Tensor
-    staleness_R: Tensor
     update_R: Tensor
     row_R: Tensor
     scored_R: Tensor
@@ -206,8 +207,10 @@ def _read(path: Path) -> tuple[Sample, int, list[dict]]:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError) as e:
         raise RecordError(f"{path}: unreadable record, partly written or damaged ({e})") from None
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") not in (FORMAT, FORMAT_1):
         raise RecordError(f"{path}: not an m2po inspect record (format {metadata.get('format')!r})")
+    if metadata["format"] == FORMAT_1 and {"staleness_R", "lengths_R"} <= tensors.keys():
+        tensors["staleness_N"] = tensors.pop("staleness_R").repeat_interleave(tensors["lengths_R"])
     fields = TOKEN_FIELDS + ROW_FIELDS
     sample = Sample(**{f: tensors[f] for f in fields}) if all(f in tensors for f in fields) else None
     if sample is None or not _consistent(sample):

@@ -134,8 +134,8 @@ def recorded(run: Path) -> list[dict]:
             tok = {
                 k: t[k][start : start + n].tolist() for k in ("behaviour_logprobs_N", "learner_logprobs_N")
             }
-            tok |= {k: t[k][start : start + n].tolist() for k in ("logprobs_N", "entropy_N")}
-            row = {k: t[k][i].item() for k in ("advantages_R", "staleness_R", "update_R")}
+            tok |= {k: t[k][start : start + n].tolist() for k in ("logprobs_N", "entropy_N", "staleness_N")}
+            row = {k: t[k][i].item() for k in ("advantages_R", "update_R")}
             rows.append(tok | row)
             start += n
     return rows
@@ -301,7 +301,7 @@ def sample(update: int, lengths: list[int]) -> Sample:
         entropy_N=torch.rand(n, generator=g),
         lengths_R=torch.tensor(lengths),
         advantages_R=torch.randn(r, generator=g),
-        staleness_R=torch.full((r,), 3),
+        staleness_N=torch.full((n,), 3),
         update_R=torch.full((r,), update),
         row_R=torch.arange(r),
         scored_R=torch.ones(r, dtype=torch.bool),

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import httpx
 import psutil
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from m2po_cli.config import SyntheticConfig
 from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.rollout.engine import Completion
 from m2po_cli.rollout.producer import RolloutProducer
-from m2po_cli.rollout.server import EngineError, EngineServer, parse_completions, sampling_body, swap_weights
+from m2po_cli.rollout.server import (
+    GENERATE,
+    EngineError,
+    EngineServer,
+    parse_completions,
+    sampling_body,
+    swap_weights,
+    token_versions,
+)
 from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.train.packed import pack_groups
 from m2po_cli.train.updates import train_on
@@ -40,8 +51,9 @@ def served(tmp_path_factory):
         'loss={type="grpo"}',
     )
     model_dir = resolve_model(MODEL)
-    server = EngineServer.start(model_dir, recipe.rollout, "float32", 64, tmp / "engine.log")
+    server = EngineServer.start(model_dir, recipe.rollout, "float32", 256, tmp / "engine.log")
     learner = Learner(model_dir, recipe)
+    server.set_version(learner.version)  # the weights it loaded are the learner's first
     yield recipe, server, learner
     pid = server.proc.pid
     server.close()
@@ -66,9 +78,7 @@ class HTTPEngine:
 
     def _sample(self, prompt):
         body = sampling_body(prompt, self.recipe.rollout)
-        return parse_completions(
-            httpx.post(f"{self.server.url}/v1/completions", json=body, timeout=60).json()
-        )
+        return parse_completions(httpx.post(f"{self.server.url}{GENERATE}", json=body, timeout=60).json())
 
     def prompt_logprobs(self, sequences):
         return self.server.prompt_logprobs(sequences)
@@ -132,37 +142,129 @@ def test_version_mismatch_stops_with_a_clear_message(served):
     server.check_version(learner.version)
 
 
-def test_each_group_was_sampled_by_the_version_it_records(served, tokenizer, tmp_path):
-    """max_staleness = 0: every group is trained at the version it records, so its behaviour logprobs
-    must be the learner's own, through syncs that abort and regenerate requests in flight."""
+class Versions:
+    """The learner's weights at each version it pushed, to score tokens under the version that
+    sampled them."""
+
+    def __init__(self, learner):
+        self.learner, self.states = learner, {}
+
+    def keep(self):
+        state = get_model_state_dict(self.learner.model)
+        self.states[self.learner.version] = {k: v.detach().clone() for k, v in state.items()}
+
+    def score(self, version: int, rows):
+        now = {k: v.detach().clone() for k, v in get_model_state_dict(self.learner.model).items()}
+        set_model_state_dict(self.learner.model, self.states[version])
+        try:
+            return self.learner.score(rows)[0]
+        finally:
+            set_model_state_dict(self.learner.model, now)
+
+
+def behaviour_gap(versions: Versions, batch, use_version=None) -> float:
+    """Largest |engine - learner| logprob over the batch's response tokens, each token scored under
+    its recorded version (or under `use_version` for all of them)."""
+    rows = batch.to_batch(torch.arange(batch.num_rows))
+    mask_BL = rows.mask_BL.bool()
+    version_BL = torch.zeros(mask_BL.shape, dtype=torch.long)
+    version_BL[mask_BL] = batch.version_R.long()
+    gap = 0.0
+    for v in version_BL[mask_BL].unique().tolist() if use_version is None else [use_version]:
+        at_v = mask_BL & ((version_BL == v) | (use_version is not None))
+        learner_BL = versions.score(v, rows)
+        gap = max(gap, float((learner_BL - rows.behaviour_logprobs_BL).abs()[at_v].max()))
+    return gap
+
+
+def stream_until(server, body, num_tokens, then):
+    """Stream one generate request; after its first `num_tokens` tokens call `then()`, then read
+    it to the end. Returns the completion, with per-token versions."""
+    body = {**body, "stream": True}
+    tokens, logprobs, spans, started = [], [], None, False
+    with httpx.stream("POST", f"{server.url}{GENERATE}", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            tokens += choice.get("token_ids") or []
+            logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+            spans = choice.get("weight_versions") or spans
+            if len(tokens) >= num_tokens and not started:
+                started = True
+                then()
+    return Completion(tokens, logprobs, "", False, token_versions(spans, len(tokens)))
+
+
+def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(served, tokenizer, tmp_path):
+    """A weight sync while a response is being sampled: the request goes on (no abort), its tokens
+    before the sync carry the old version and match the old weights, those after carry the new one
+    and match the new weights, their KV cache recomputed (not the old weights' reused)."""
     recipe, server, learner = served
+    versions = Versions(learner)
+    transport = ShmWeightTransport(0, 1, torch.float32, functools.partial(swap_weights, [server]), tag="mid")
+    try:
+        transport.push(learner)
+        versions.keep()
+        before = learner.version
+        # Move the weights (the sync below sends them mid-response).
+        batch = sampled_batch(HTTPEngine(server, recipe), tokenizer, recipe, learner.version)
+        train_on(batch, learner, build_loss(recipe.loss), None, recipe, no_record(tmp_path, learner), 0)
+        versions.keep()
+        prompt = probe(tokenizer)[0]
+        body = sampling_body(prompt, recipe.rollout)
+        body["sampling_params"] |= {"n": 1, "max_tokens": 160, "ignore_eos": True}
+        completion = stream_until(server, body, 24, lambda: transport.push(learner))
+    finally:
+        transport.close()
+    v = completion.versions
+    assert v[0] == before and v[-1] == learner.version, f"versions {v[0]}..{v[-1]}"
+    switch = v.index(learner.version)
+    assert 24 <= switch < len(v) - 24 and v == [before] * switch + [learner.version] * (len(v) - switch)
+    one = pack_groups(before, 0, [prompt], [[completion]], torch.zeros(1, 1), False, 1e-6)
+    assert behaviour_gap(versions, one) < 1e-4
+    # The test tells the versions apart: under one version for all tokens, the others differ.
+    assert behaviour_gap(versions, one, use_version=before) > 1e-3
+    assert behaviour_gap(versions, one, use_version=learner.version) > 1e-3
+
+
+def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp_path):
+    """Separate mode's producer through one sync per update: nothing is regenerated, every token's
+    staleness is within the bound, and every token's behaviour logprob is the learner's under the
+    weights of the version it records."""
+    recipe, server, learner = served
+    max_staleness, per_update = 2, 4
     problems = synthetic_arithmetic(SyntheticConfig(max_operand=4, num_problems=64), seed=0)
-    prompts = PromptBatches(problems, tokenizer, recipe.data, 4)
-    producer = RolloutProducer([server], prompts, recipe.rollout, 4, 0, learner.version)
-    record = no_record(tmp_path, learner)
+    prompts = PromptBatches(problems, tokenizer, recipe.data, per_update)
+    producer = RolloutProducer([server], prompts, recipe.rollout, per_update, max_staleness, learner.version)
+    record, versions = no_record(tmp_path, learner), Versions(learner)
     transport = ShmWeightTransport(0, 1, torch.float32, producer.swap, tag="test-producer")
-    transport.push(learner)
+
+    def sync(learner):
+        transport.after_update(learner)
+        versions.keep()
+
+    sync(learner)
     producer.start()
     try:
-        for _ in range(3):
-            groups = producer.take(4, learner.version)
-            assert {g.version for g in groups} == {learner.version}
-            assert server.weight_version() == str(learner.version)
+        for _ in range(4):
+            groups = producer.take(per_update, learner.version)
             batch = pack_groups(
-                learner.version,
+                min(g.version for g in groups),
                 0,
                 [g.prompt.token_ids for g in groups],
-                [g.completions for g in groups],
-                torch.randint(0, 2, (4, recipe.rollout.n)).float(),
+                [g.rows for g in groups],
+                torch.randint(0, 2, (per_update, recipe.rollout.n)).float(),
                 True,
                 1e-6,
             )
-            rows = batch.to_batch(torch.arange(batch.num_rows))
-            learner_BL, _ = learner.score(rows)
-            gap = float(((learner_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL).max())
-            assert gap < 1e-4, f"samples recorded as version {learner.version} differ from it by {gap:.2e}"
-            train_on(batch, learner, build_loss(recipe.loss), transport.after_update, recipe, record, 0)
+            staleness_R = learner.version - batch.version_R
+            assert int(staleness_R.min()) >= 0 and int(staleness_R.max()) <= max_staleness
+            gap = behaviour_gap(versions, batch)
+            assert gap < 1e-4, f"tokens differ from the weights of the version they record by {gap:.2e}"
+            train_on(batch, learner, build_loss(recipe.loss), sync, recipe, record, 0)
         metrics = producer.take_metrics()
+        assert metrics["rollout/regenerated"] == 0
         assert 0 <= metrics["perf/engine_idle_frac"] <= 1
     finally:
         producer.stop()

@@ -40,9 +40,11 @@ def test_a_started_server_takes_every_setting_of_the_in_process_engine():
 
 def test_rollout_requests_sample_as_the_in_process_engine_does():
     cfg = load_recipe(ROOT / "recipes" / "quickstart.toml").rollout
-    body = sampling_body([1, 2, 3], cfg)
-    assert {k: body[k] for k in rollout_sampling(cfg)} == rollout_sampling(cfg)
-    assert (body["top_p"], body["top_k"], body["min_p"]) == (1.0, 0, 0.0), "sampling must be untruncated"
+    params = sampling_body([1, 2, 3], cfg)["sampling_params"]
+    assert {k: params[k] for k in rollout_sampling(cfg)} == rollout_sampling(cfg)
+    assert (params["top_p"], params["top_k"], params["min_p"]) == (1.0, 0, 0.0), (
+        "sampling must be untruncated"
+    )
 
 
 def test_cpu_engines_on_one_host_bind_disjoint_cores(monkeypatch):

@@ -92,7 +92,7 @@ def tokens_of(records: Records, behaviour: str) -> Tokens:
         log_ratio_N=s.logprobs_N - behaviour_N,
         entropy_N=s.entropy_N,
         advantages_N=per_token(s.advantages_R),
-        staleness_N=per_token(s.staleness_R),
+        staleness_N=s.staleness_N,
         mismatch_N=s.learner_logprobs_N - s.behaviour_logprobs_N,
         drift_N=s.logprobs_N - s.learner_logprobs_N,
         scored_N=per_token(s.scored_R),

@@ -1,10 +1,14 @@
 """Rollout engines in their own processes: `vllm serve` started by the run, or servers already running.
 
-The run talks to each server over HTTP: the OpenAI completions route samples (token ids in, token
-ids and behaviour logprobs out), and the RL/dev routes of `VLLM_SERVER_DEV_MODE=1` control it
-(`/pause`, `/resume`, `/collective_rpc`, `/update_weight_version`, `/weight_info`). A server the run
-starts shares the run's process group, so killing that group (kill -9 included) takes the engine
-along; it also gets a parent-death signal, and `close()` terminates its whole process tree.
+The run talks to each server over HTTP: vLLM's token-in/token-out route (`/inference/v1/generate`,
+served with `--enable-scale-out`) samples, returning token ids, behaviour logprobs and the weight
+version of every token; the RL/dev routes of `VLLM_SERVER_DEV_MODE=1` control it (`/pause`,
+`/resume`, `/collective_rpc`, `/update_weight_version`, `/weight_info`). A weight swap pauses with
+`mode=keep`: requests in flight stay in the engine, their KV cache is recomputed under the new
+weights, and they go on sampling with them, so no work is thrown away and each token's version is
+the one whose weights sampled it. A server the run starts shares the run's process group, so killing
+that group (kill -9 included) takes the engine along; it also gets a parent-death signal, and
+`close()` stops every process the server started, even when the server itself has died.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ import psutil
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.rollout.engine import Completion
-from m2po_cli.rollout.settings import cli_flags, cpu_threads, engine_args, is_finished, rollout_sampling
+from m2po_cli.rollout.settings import (
+    WORKER_EXTENSION,
+    cli_flags,
+    cpu_threads,
+    engine_args,
+    is_finished,
+    rollout_sampling,
+)
 
 SERVED_NAME = "policy"
 _PR_SET_PDEATHSIG = 1
@@ -69,6 +80,7 @@ def serve_command(
         "--served-model-name", SERVED_NAME,
         "--api-server-count", "1",
         "--disable-uvicorn-access-log",
+        "--enable-scale-out",  # the token-in/token-out route, with per-token weight versions
     ]  # fmt: skip
     if _on_gpu() and cfg.weight_transport != "shm":  # auto or nccl: the learner sends over vLLM's NCCL engine
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
@@ -102,6 +114,9 @@ class EngineServer:
         self.url = url.rstrip("/")
         self.proc = proc
         self.log_path = log_path
+        self.model_name = SERVED_NAME  # what requests name; read from the server at `check`
+        self.max_num_seqs = 256  # the engine's concurrency, read at `check`
+        self.children: list[psutil.Process] = []
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0))
 
     @classmethod
@@ -136,6 +151,7 @@ class EngineServer:
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Wait until a server this run started answers /health (it loads the model meanwhile)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -144,11 +160,86 @@ class EngineServer:
                 )
             try:
                 if self.http.get("/health", timeout=5.0).status_code == 200:
+                    self._adopt_children()
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
         raise EngineError(f"rollout server {self.url} did not answer /health within {timeout_s:.0f} s")
+
+    def _adopt_children(self) -> None:
+        """Remember the processes the server started (its engine core and workers): if the server
+        dies alone, they are no longer its children, and `close()` must still stop them."""
+        try:
+            self.children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            self.children = []
+
+    def check(self, signature: dict, max_model_len: int) -> None:
+        """Stop the run, in one line with the real reason, unless this is a vLLM server with the
+        routes the run needs, serving a model of the learner's shape (`signature`, see
+        `worker.model_signature`) with room for `max_model_len` tokens and behaviour logprobs."""
+        health = self._get("/health", "")
+        if health.status_code != 200:
+            raise self._refuse(
+                f"answers HTTP {health.status_code} on /health: not a vLLM server, or not ready"
+            )
+        models = self._get("/v1/models", "").json().get("data") or []
+        if not models:
+            raise self._refuse("serves no model (/v1/models is empty)")
+        self.model_name, served_len = models[0]["id"], models[0].get("max_model_len") or 0
+        if served_len < max_model_len:
+            raise self._refuse(
+                f"serves at most {served_len} tokens per sequence; the recipe needs {max_model_len} "
+                "(--max-model-len)"
+            )
+        hint = "start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL and dev routes)"
+        config = self._get("/server_info", hint, params={"config_format": "json"}).json()["vllm_config"]
+        self.max_num_seqs = int(config["scheduler_config"]["max_num_seqs"])
+        if config["model_config"].get("logprobs_mode") != "processed_logprobs":
+            raise self._refuse(
+                f"returns {config['model_config'].get('logprobs_mode')} logprobs, not those of the distribution "
+                "it samples: start it with --logprobs-mode processed_logprobs"
+            )
+        probe = {"model": self.model_name, "token_ids": [0], "sampling_params": {"max_tokens": 1}}
+        generate = self.http.post(GENERATE, json=probe)
+        if generate.status_code != 200:
+            raise self._refuse(
+                f"answers HTTP {generate.status_code} on {GENERATE}: start it with --enable-scale-out "
+                f"({one_line(generate.text)})"
+            )
+        served = self.collective_rpc(
+            "m2po_signature", hint=f"start it with --worker-extension-cls {WORKER_EXTENSION}"
+        )
+        differ = [k for k in signature if served.get(k) != signature[k]]
+        if differ:
+            shown = ", ".join(f"{k} {signature[k]} here, {served.get(k)} there" for k in differ)
+            raise self._refuse(f"serves a model of another shape than the learner's ({shown})")
+
+    def _get(self, route: str, hint: str, **kw) -> httpx.Response:
+        try:
+            response = self.http.get(route, timeout=30.0, **kw)
+        except httpx.ConnectError:
+            raise self._refuse("refused the connection: is vllm serve running there?") from None
+        except httpx.TransportError as e:
+            raise self._refuse(f"{route}: {type(e).__name__}: {e}") from None
+        if response.status_code == 404 and hint:
+            raise self._refuse(f"has no {route} route: {hint}")
+        return response
+
+    def _refuse(self, reason: str) -> EngineError:
+        return EngineError(f"rollout server {self.url} {reason}")
+
+    def collective_rpc(self, method: str, *args, hint: str = "") -> object:
+        """Call a worker-extension method on every worker; the first worker's answer."""
+        response = self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        if response.status_code != 200:
+            extra = f": {hint}" if hint else ""
+            raise self._refuse(
+                f"/collective_rpc {method}: HTTP {response.status_code}{extra} ({one_line(response.text)})"
+            )
+        results = response.json().get("results") or [None]
+        return results[0]
 
     # --- control routes ---------------------------------------------------------------------------
 
@@ -159,13 +250,13 @@ class EngineServer:
             raise EngineError(f"rollout server {self.url}{route}: {e}") from None
         if response.status_code != 200:
             raise EngineError(
-                f"rollout server {self.url}{route}: HTTP {response.status_code}: {response.text}"
+                f"rollout server {self.url}{route}: HTTP {response.status_code}: {one_line(response.text)}"
             )
         return response
 
     def pause(self) -> None:
-        """Abort every request in flight and stop scheduling until `resume()`; clears the KV cache."""
-        self.post("/pause", params={"mode": "abort", "clear_cache": "true"})
+        """Stop scheduling until `resume()`, keeping every request in flight where it is."""
+        self.post("/pause", params={"mode": "keep", "clear_cache": "true"})
 
     def resume(self) -> None:
         self.post("/resume")
@@ -174,8 +265,14 @@ class EngineServer:
         """Reload every worker from the safetensors files in `weights_dir` (HF names)."""
         self.post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
 
-    def reset_prefix_cache(self) -> None:
-        self.post("/reset_prefix_cache")
+    def drop_kv_cache(self) -> None:
+        """Forget every cached KV block, those of the requests kept in flight included: they are
+        preempted and recomputed under the weights now loaded before they sample again."""
+        response = self.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not response.json().get("success", False):
+            raise EngineError(
+                f"rollout server {self.url}/reset_prefix_cache: the KV cache could not be reset"
+            )
 
     def world_size(self) -> int:
         """The engine's GPU workers (tensor x pipeline x data parallel): its ranks in a weight transfer."""
@@ -206,27 +303,32 @@ class EngineServer:
         """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
         out = []
         for seq in sequences:
-            body = {"model": SERVED_NAME, "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0,
+            body = {"model": self.model_name, "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0,
                     "temperature": 1.0}  # fmt: skip
             entries = self.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
             out.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], seq[1:], strict=True)])
         return out
 
     def close(self) -> None:
-        """Close the connection; stop the server's whole process tree if this run started it."""
+        """Close the connection; if this run started the server, stop it and every process it
+        started, whether or not the server itself is still alive."""
         self.http.close()
         if self.proc is None:
             return
-        stop_tree(self.proc.pid)
+        stop_tree(self.proc.pid, also=self.children)
         self.proc.wait()
 
 
-def stop_tree(pid: int, grace_s: float = 20.0) -> None:
-    """SIGTERM a process and its descendants, SIGKILL whatever is left after `grace_s`."""
+def stop_tree(pid: int, grace_s: float = 20.0, also: list[psutil.Process] = ()) -> None:
+    """SIGTERM a process, its descendants and the processes `also` (they may have outlived their
+    parent), SIGKILL whatever is left after `grace_s`."""
+    procs = [p for p in also if p.is_running()]  # is_running also rules out a reused pid
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        procs = [root, *root.children(recursive=True), *procs]
     except psutil.NoSuchProcess:
+        pass
+    if not procs:
         return
     for p in procs:
         try:
@@ -241,45 +343,71 @@ def stop_tree(pid: int, grace_s: float = 20.0) -> None:
             pass
 
 
-def sampling_body(prompt: list[int], cfg: RolloutConfig) -> dict:
-    """A completions request for `n` samples of one tokenized prompt, untruncated sampling."""
+GENERATE = "/inference/v1/generate"
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """A server's error body as one short line (an HTML page or a traceback is not an error line)."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def sampling_body(prompt: list[int], cfg: RolloutConfig, model: str = SERVED_NAME) -> dict:
+    """A `GENERATE` request for `n` samples of one tokenized prompt, untruncated sampling, the
+    decoded text returned beside the tokens."""
     return {
-        "model": SERVED_NAME,
-        "prompt": prompt,
-        **rollout_sampling(cfg),
-        "return_token_ids": True,
-        "skip_special_tokens": True,
+        "model": model,
+        "token_ids": prompt,
+        "sampling_params": {**rollout_sampling(cfg), "skip_special_tokens": True},
+        "output_mode": "text",
     }
 
 
 def parse_completions(response: dict) -> list[Completion] | None:
-    """The `n` completions of one response in sample order; None if the engine aborted the request."""
+    """The `n` completions of one `GENERATE` response in sample order, each token with the weight
+    version that sampled it; None if the engine aborted the request."""
     choices = sorted(response["choices"], key=lambda c: c["index"])
     if any(c["finish_reason"] == "abort" for c in choices):
         return None
     return [
         Completion(
             token_ids=list(c["token_ids"]),
-            logprobs=[float(lp) for lp in c["logprobs"]["token_logprobs"]],
+            logprobs=[float(entry["logprob"]) for entry in c["logprobs"]["content"]],
             text=c["text"],
             finished=is_finished(c["finish_reason"]),
+            versions=token_versions(c.get("weight_versions"), len(c["token_ids"])),
         )
         for c in choices
     ]
+
+
+def token_versions(spans: list[dict] | None, num_tokens: int) -> list[int]:
+    """vLLM's weight-version spans of one response, one version per token."""
+    versions: list[int] = []
+    for span in spans or []:
+        if span["start"] != len(versions) or not str(span["version"]).isdigit():
+            raise EngineError(f"the rollout server reported weight-version spans that do not tile: {spans}")
+        versions += [int(span["version"])] * (span["end"] - span["start"])
+    if len(versions) != num_tokens:
+        raise EngineError(
+            f"the rollout server reported weight versions for {len(versions)} of {num_tokens} tokens: {spans}"
+        )
+    return versions
 
 
 Load = Callable[[list["EngineServer"]], None]  # puts the new weights into the (paused) servers
 
 
 def swap_weights(servers: list[EngineServer], load: Load, version: int) -> None:
-    """Pause every server (aborting its requests), `load(servers)`, drop cached KV, tag and check
-    the version, resume. Requests in flight at the pause come back aborted and must be regenerated."""
+    """Pause every server (keeping its requests), `load(servers)`, drop the KV cache (kept requests
+    recompute theirs under the new weights), tag and check the version, resume. Tokens sampled from
+    here on carry `version`; the earlier tokens of a kept request keep theirs."""
     for s in servers:
         s.pause()
     try:
         load(servers)
         for s in servers:
-            s.reset_prefix_cache()
+            s.drop_kv_cache()
             s.set_version(version)
             s.check_version(version)
     finally:

@@ -59,8 +59,29 @@ class WeightSync:
         -1: a load that failed part-way)."""
         return self.m2po_weight_version
 
+    def m2po_signature(self) -> dict:
+        """The served model's shape (`model_signature` of its HF config), to check it is the learner's."""
+        return model_signature(self.model_runner.model_config.hf_config.to_dict())
+
     def m2po_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+
+SIGNATURE_KEYS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+def model_signature(hf_config: dict) -> dict:
+    """What two models must share for one's weights to load into the other."""
+    return {key: hf_config.get(key) for key in SIGNATURE_KEYS}
 
 
 def safetensors_items(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

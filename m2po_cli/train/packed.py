@@ -2,11 +2,12 @@
 
 A row is one sampled response with its prompt. `tokens_N` holds every row's prompt then response,
 concatenated; row b spans `tokens_N[offsets_B1[b] : offsets_B1[b + 1]]`, its first `prompt_len_B[b]`
-tokens are the prompt. Logprobs exist only for response tokens: `behaviour_R` (the engine's, at
-sampling time) and `learner_R` (the learner's recomputation at the generating version, empty unless
-`algorithm.behaviour_logprobs = "learner"`) hold them row after row, R = the rows' response tokens.
-A row costs 4 bytes per token plus 4 (or 8) per response token plus 48 bytes; texts, answers and
-problem ids are not kept (the grader has read them on the rank that generated the row).
+tokens are the prompt. Per-token values exist only for response tokens, row after row (R = the
+rows' response tokens): `behaviour_R` (the engine's logprob at sampling time), `version_R` (the
+weight version that sampled the token) and `learner_R` (the learner's recomputation at the
+generating version, empty unless `algorithm.behaviour_logprobs = "learner"`). A row costs 4 bytes
+per token plus 8 (or 12) per response token plus 48 bytes; texts, answers and problem ids are not
+kept (the grader has read them on the rank that generated the row).
 
 Rows are packed once, on the rank that generated them (`pack_groups`), with their GRPO advantages
 (a group's rows are generated together, so the rank has the whole group). `distribute` then sends
@@ -30,8 +31,9 @@ from m2po_cli.rollout.engine import Completion
 @dataclass
 class PackedRollouts:
     """Some rows of one rollout batch, in increasing `row_B` order. `version` is the oldest policy
-    version that generated a row; `version_B` is each row's own (they differ only in separate mode,
-    where a step's groups may come from several versions)."""
+    version that generated a row; `version_B` is each row's own, the version its request was
+    submitted at, and `version_R` each token's (they differ only in separate mode, where a step's
+    groups may come from several versions and weights change while a request is in flight)."""
 
     version: int
     row_B: Tensor  # int64: the row's index in the rollout batch (prompt-major: prompt p, sample g -> p*n+g)
@@ -44,7 +46,8 @@ class PackedRollouts:
     rewards_B: Tensor  # float32
     finished_B: Tensor  # bool: stopped on EOS rather than on the length limit
     solved_B: Tensor  # bool: some row of the row's group has a reward > 0
-    version_B: Tensor  # int64: the policy version that generated the row
+    version_B: Tensor  # int64: the policy version the row's request was submitted at
+    version_R: Tensor  # int32: the policy version that sampled each response token (>= version_B)
     meta: dict[str, float] = field(default_factory=dict)  # the batch's timings (slowest engine's)
 
     @property
@@ -67,12 +70,18 @@ class PackedRollouts:
         """Where each row's response logprobs start in `behaviour_R` / `learner_R`; B + 1 entries."""
         return torch.nn.functional.pad(self.response_len_B.cumsum(0), (1, 0))
 
+    def response_index(self, index_K: Tensor) -> Tensor:
+        """Where the response tokens of the rows at local positions `index_K` are in the `_R`
+        tensors, row after row."""
+        index_K = index_K.long()
+        return _segments(self.response_offsets()[index_K], self.response_len_B[index_K])
+
     def take(self, index_K: Tensor) -> PackedRollouts:
         """Rows at local positions `index_K`, in that order."""
         index_K = index_K.long()
-        lengths_K, responses_K = self.lengths_B[index_K], self.response_len_B[index_K]
+        lengths_K = self.lengths_B[index_K]
         tokens = self.tokens_N[_segments(self.offsets_B1[index_K], lengths_K)]
-        resp = _segments(self.response_offsets()[index_K], responses_K)
+        resp = self.response_index(index_K)
         return replace(
             self,
             row_B=self.row_B[index_K],
@@ -86,7 +95,24 @@ class PackedRollouts:
             finished_B=self.finished_B[index_K],
             solved_B=self.solved_B[index_K],
             version_B=self.version_B[index_K],
+            version_R=self.version_R[resp],
             meta=dict(self.meta),
+        )
+
+    @staticmethod
+    def cat(parts: list[PackedRollouts], row_B: Tensor) -> PackedRollouts:
+        """The rows of `parts`, one after the other, renumbered `row_B`; `version` is the oldest."""
+        lengths_B = torch.cat([p.lengths_B for p in parts])
+        tensors = {
+            name: torch.cat([getattr(p, name) for p in parts])
+            for name in PackedRollouts.empty(0).tensors()
+            if name not in ("row_B", "offsets_B1")
+        }
+        return PackedRollouts(
+            version=min(p.version for p in parts),
+            row_B=row_B,
+            offsets_B1=torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0)),
+            **tensors,
         )
 
     def to_batch(self, index_K: Tensor, behaviour: str = "engine") -> Batch:
@@ -120,6 +146,9 @@ class PackedRollouts:
     def from_tensors(cls, version: int, tensors: dict[str, Tensor], meta: dict[str, float]) -> PackedRollouts:
         if "version_B" not in tensors:  # written before rows carried their version: all rows share it
             tensors = {**tensors, "version_B": torch.full_like(tensors["row_B"], version)}
+        if "version_R" not in tensors:  # written before tokens carried theirs: each row's own
+            responses_B = tensors["offsets_B1"].diff() - tensors["prompt_len_B"]
+            tensors = {**tensors, "version_R": tensors["version_B"].repeat_interleave(responses_B).int()}
         return cls(version=version, meta=meta, **tensors)
 
     @classmethod
@@ -139,6 +168,7 @@ class PackedRollouts:
             torch.zeros(0, dtype=torch.bool),
             torch.zeros(0, dtype=torch.bool),
             long,
+            torch.zeros(0, dtype=torch.int32),
         )
 
 
@@ -178,6 +208,9 @@ def pack_groups(
         finished_B=torch.tensor([c.finished for _, c in samples], dtype=torch.bool),
         solved_B=(rewards_PG.max(dim=1).values > 0).repeat_interleave(n),
         version_B=torch.full((len(samples),), version, dtype=torch.long),
+        version_R=torch.tensor(
+            [v for _, c in samples for v in (c.versions or [version] * len(c.token_ids))], dtype=torch.int32
+        ),
     )
 
 
@@ -198,7 +231,7 @@ def distribute(
     """Send each row to its owner rank; return the rows this rank owns, in `row_B` order.
 
     A collective: every rank passes its own pack (empty if it generated nothing) and `owner_B` for
-    its rows. Five all-to-alls of compact tensors (counts, row fields, tokens, logprobs); `meta`
+    its rows. Six all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta`
     stays with the rank that holds it. Tensors travel on the collective's device (CUDA under NCCL).
     Rows are distributed before the learner scores them, so `learner_R` does not travel.
     """
@@ -224,6 +257,7 @@ def distribute(
     floats = _all_to_all(floats_B2, rows_to, rows_from, group, device)
     tokens = _all_to_all(send.tokens_N, tokens_to, tokens_from, group, device)
     behaviour = _all_to_all(send.behaviour_R, resp_to, resp_from, group, device)
+    version_R = _all_to_all(send.version_R, resp_to, resp_from, group, device)
     row_B, lengths_B, prompt_len_B, flags_B, version_B = ints.unbind(1)
     received = PackedRollouts(
         version=pack.version,
@@ -238,6 +272,7 @@ def distribute(
         finished_B=(flags_B & 1).bool(),
         solved_B=(flags_B & 2).bool(),
         version_B=version_B.contiguous(),
+        version_R=version_R,
         meta=dict(pack.meta),
     )
     return received.take(torch.sort(received.row_B).indices)

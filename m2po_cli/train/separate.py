@@ -1,21 +1,23 @@
 """Separate rollouts: vLLM engines in their own processes generate while the learner trains.
 
-Rank 0 owns the rollout servers (started here or attached), the producer thread and the grader;
-every rank trains its slice of each optimizer batch and takes part in the weight transport. One
-step takes `prompts_per_step` finished groups, oldest version first; the engines get the weights
-every `rollout.sync_every` updates. No group is trained more than `staleness.max_staleness`
-updates after the policy that generated it (the producer's admission keeps the bound).
+Rank 0 owns the rollout servers (started here or attached), the producer's threads and the
+grader, which grades each group as it finishes and packs it into tensors; every rank trains its
+slice of each optimizer batch and takes part in the weight transport. One step takes
+`prompts_per_step` finished groups, oldest version first; the engines get the weights every
+`rollout.sync_every` updates, without stopping the requests in flight. No token is trained more
+than `staleness.max_staleness` updates after the policy that sampled it (the producer's admission
+keeps the bound).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
@@ -24,9 +26,10 @@ from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.producer import Group, RolloutProducer
+from m2po_cli.rollout.producer import Finished, Group, RolloutProducer
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
+from m2po_cli.rollout.worker import model_signature
 from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 from m2po_cli.train.updates import rows_per_update
@@ -83,6 +86,7 @@ class SeparateSource:
         servers = start_servers(recipe, model_dir, self.run_dir, self.learner.world, log.message)
         for server in servers:
             self._stack.callback(server.close)
+        self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(1)))  # rank 0 grades alone
         self.producer = RolloutProducer(
             servers,
             prompts,
@@ -91,9 +95,9 @@ class SeparateSource:
             recipe.staleness.max_staleness,
             self.learner.version,
             **carried,
+            settle=lambda finished: settle(finished, self.grader, recipe),
         )
         self._stack.callback(self.producer.stop)
-        self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(1)))  # rank 0 grades alone
 
     def start(self, first_step: int) -> None:
         """The engines start from the learner's weights, whatever they held; then generation starts."""
@@ -107,7 +111,9 @@ class SeparateSource:
         batch = PackedRollouts.empty(self.learner.version)
         if self.producer is not None:
             groups = self.producer.take(self.recipe.rollout.prompts_per_step, self.learner.version)
-            batch = pack_rollouts(groups, self.grader, self.recipe)
+            batch = PackedRollouts.cat(
+                [g.rows for g in groups], torch.arange(len(groups) * self.recipe.rollout.n)
+            )
             _record_trained(self.run_dir, step, self.learner.version, groups)
         return distribute(batch, owners(batch.row_B, rows_per_update(self.recipe), self.learner.world))
 
@@ -157,13 +163,14 @@ def start_servers(
 
     On GPUs, started engines take the devices after the learner's `world` ranks, in order."""
     cfg = recipe.rollout
-    wait = f"{cfg.server_start_timeout_s:.0f} s"
+    signature = model_signature(AutoConfig.from_pretrained(str(model_dir)).to_dict())
     if cfg.servers:
-        say(f"waiting for the rollout server(s) to answer /health (at most {wait}): {', '.join(cfg.servers)}")
+        say(f"checking the rollout server(s): {', '.join(cfg.servers)}")
         servers = [EngineServer(url) for url in cfg.servers]
         for s in servers:
-            s.wait_ready(cfg.server_start_timeout_s)
+            s.check(signature, recipe.max_model_len)
         return servers
+    wait = f"{cfg.server_start_timeout_s:.0f} s"
     say(f"starting {cfg.num_engines} vllm serve engine(s) (at most {wait}); output: {run_dir}/engine-*.log")
     servers: list[EngineServer] = []
     try:
@@ -174,6 +181,7 @@ def start_servers(
                 _engine_devices(i, cfg.tensor_parallel_size, world) if torch.cuda.is_available() else None
             )
             servers.append(EngineServer.start(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
+            servers[-1].check(signature, recipe.max_model_len)
     except BaseException:
         for s in servers:
             s.close()
@@ -181,25 +189,19 @@ def start_servers(
     return servers
 
 
-def pack_rollouts(groups: list[Group], grader: Grader, recipe: Recipe) -> PackedRollouts:
-    """Grade a step's groups and pack them; each row keeps the version that generated its group."""
-    n = recipe.rollout.n
-    golds = [g.prompt.problem.answer for g in groups for _ in range(n)]
-    t0 = time.perf_counter()
-    rewards = grader.grade_many([c.text for g in groups for c in g.completions], golds)
-    a = recipe.algorithm
-    batch = pack_groups(
-        min(g.version for g in groups),
-        0,
-        [g.prompt.token_ids for g in groups],
-        [g.completions for g in groups],
-        torch.tensor(rewards, dtype=torch.float32).view(len(groups), n),
-        a.normalize_std,
-        a.std_eps,
-    )
-    batch.version_B = torch.tensor([g.version for g in groups], dtype=torch.long).repeat_interleave(n)
-    batch.meta = {"time/grade": time.perf_counter() - t0}
-    return batch
+def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[PackedRollouts]:
+    """Grade finished groups and pack each into its `n` rows (the producer's settling thread): rows
+    keep their group's submission version and each token's own."""
+    n, a = recipe.rollout.n, recipe.algorithm
+    golds = [ticket[1].problem.answer for ticket, _, _ in finished for _ in range(n)]
+    rewards = grader.grade_many([c.text for _, _, group in finished for c in group], golds)
+    rewards_GN = torch.tensor(rewards, dtype=torch.float32).view(len(finished), n)
+    return [
+        pack_groups(
+            version, 0, [ticket[1].token_ids], [group], rewards_GN[i : i + 1], a.normalize_std, a.std_eps
+        )
+        for i, (ticket, version, group) in enumerate(finished)
+    ]
 
 
 def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group]) -> None:

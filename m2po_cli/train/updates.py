@@ -34,7 +34,10 @@ def train_on(
     step: int,
 ) -> dict[str, float]:
     """All optimizer updates of one rollout batch (this rank's rows); `sync(learner)` after each may
-    send the weights out (colocated: after the last one, waking the engine up). A collective."""
+    send the weights out (colocated: after the last one, waking the engine up). A collective.
+
+    A token's staleness is the number of updates between the version that sampled it and the
+    update that trains it (in separate mode the tokens of one response may differ)."""
     per_update = rows_per_update(recipe)
     num_updates = recipe.updates_per_step
     update_B = batch.row_B // per_update
@@ -43,12 +46,13 @@ def train_on(
     )
     tokens_U = all_reduce(tokens_U, dist.ReduceOp.SUM)  # the global token count of each update
     totals: dict[str, float] = {}
-    staleness_B = torch.zeros(batch.num_rows, dtype=torch.long)
+    staleness_R = torch.zeros(batch.version_R.numel(), dtype=torch.long)
     for u in range(num_updates):
         index_K = (update_B == u).nonzero().squeeze(1)
-        staleness_B[index_K] = learner.version - batch.version_B[index_K]
+        tokens = batch.response_index(index_K)
+        staleness_R[tokens] = learner.version - batch.version_R[tokens].long()
         rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
-        sample = record_sample(recorder, step, batch, index_K, learner, staleness_B)
+        sample = record_sample(recorder, step, batch, index_K, learner, staleness_R)
         t0 = time.perf_counter()
         m = learner.update(rows, loss_fn, int(tokens_U[u]))
         t1 = time.perf_counter()
@@ -61,14 +65,15 @@ def train_on(
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version
     recorder.write(step)
-    return totals | staleness_metrics(staleness_B, recipe)
+    return totals | staleness_metrics(staleness_R, recipe)
 
 
-def staleness_metrics(staleness_B: torch.Tensor, recipe: Recipe) -> dict[str, float]:
-    """How many updates old each row's policy was at the update that trained it, over every rank's
-    rows: min, mean, max, and in bounded mode a histogram up to the bound. A collective."""
+def staleness_metrics(staleness_R: torch.Tensor, recipe: Recipe) -> dict[str, float]:
+    """How many updates old the policy that sampled each response token was at the update that
+    trained it, over every rank's tokens: min, mean, max, and in bounded mode a histogram (token
+    counts) up to the bound. A collective."""
     bound = recipe.staleness_bound
-    hist_S = torch.bincount(staleness_B.clamp(0, bound), minlength=bound + 1).double()
+    hist_S = torch.bincount(staleness_R.clamp(0, bound), minlength=bound + 1).double()
     hist_S = all_reduce(hist_S, dist.ReduceOp.SUM)
     seen = hist_S.nonzero().squeeze(1)
     if not seen.numel():
@@ -89,10 +94,10 @@ def record_sample(
     batch: PackedRollouts,
     index_K: torch.Tensor,
     learner: Learner,
-    staleness_B: torch.Tensor,
+    staleness_R: torch.Tensor,
 ) -> Sample | None:
     """This rank's rows among the update's recorded ones, scored by the learner just before the
-    update; each with its staleness at this update (`staleness_B`, from `train_on`).
+    update; each token with its staleness at this update (`staleness_R`, from `train_on`).
 
     The recorder chooses among all rows of the update (their ids and lengths gathered from every
     rank); each rank scores the chosen rows it holds. A collective.
@@ -119,9 +124,9 @@ def record_sample(
         learner_logprobs_N=rows.learner_R if scored else torch.zeros_like(rows.behaviour_R),
         logprobs_N=logprobs_BL[mask_BL],
         entropy_N=entropy_BL[mask_BL],
+        staleness_N=staleness_R[batch.response_index(mine_K)],
         lengths_R=rows.response_len_B,
         advantages_R=rows.advantages_B,
-        staleness_R=staleness_B[mine_K],
         update_R=per_row(learner.version),
         row_R=rows.row_B,
         scored_R=torch.full((rows.num_rows,), scored),
