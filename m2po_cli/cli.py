@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         _fail(f"{recipe}: {problem}")
     _route_third_party(resolved.run_dir, verbose)
     idle_threads_sleep()
+    _exit_on_sigterm()
     from m2po_cli.errors import RunError
     from m2po_cli.models import ModelError
     from m2po_cli.rollout.server import EngineError
@@ -196,3 +198,13 @@ def _fail(message: str) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _exit_on_sigterm() -> None:
+    """A scheduler's SIGTERM (preemption, `scancel`, torchrun stopping its workers) unwinds the run as
+    Ctrl-C does: the engines it started are stopped and its shared-memory weights removed."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)

@@ -149,11 +149,8 @@ class RolloutProducer:
     def _check_progress(self) -> None:
         """Under the lock: stop the run if a started server died or nothing finished for too long."""
         for s in self.servers:
-            if s.proc is not None and s.proc.poll() is not None:
-                self.error = EngineError(
-                    f"rollout server {s.url} (vllm serve, pid {s.proc.pid}) exited with code "
-                    f"{s.proc.returncode}; see {s.log_path}"
-                )
+            if s.exited() is not None:
+                self.error = EngineError(s.exited())
         waited = time.monotonic() - self._last_progress
         if self.error is None and self.running and waited > self.cfg.request_timeout_s:
             urls = sorted({url for _, _, url in self.running.values()})
@@ -290,12 +287,14 @@ class RolloutProducer:
             # seconds) fails a request without an answer: send it again. Only a run of failures
             # (a dead or unreachable server) stops the run.
             with self.cond:
+                self._check_progress()  # a dead server says so, not "no answer"
                 self._failures += 1
-                if self._failures > MAX_FAILURES:
+                if self.error is None and self._failures > MAX_FAILURES:
                     self.error = EngineError(
                         f"{url}{GENERATE}: {self._failures} requests in a row got no answer "
                         f"(last: {type(e).__name__}: {e})"
                     )
+                if self.error is not None:
                     self.cond.notify_all()
                     return
             completions = None

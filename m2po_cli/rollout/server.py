@@ -243,11 +243,20 @@ class EngineServer:
 
     # --- control routes ---------------------------------------------------------------------------
 
+    def exited(self) -> str | None:
+        """Why a server this run started is gone (one line naming its log), or None while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return (
+            f"rollout server {self.url} (vllm serve, pid {self.proc.pid}) exited with code "
+            f"{self.proc.returncode}; see {self.log_path}"
+        )
+
     def post(self, route: str, **kw) -> httpx.Response:
         try:
             response = self.http.post(route, **kw)
         except httpx.TransportError as e:
-            raise EngineError(f"rollout server {self.url}{route}: {e}") from None
+            raise EngineError(self.exited() or f"rollout server {self.url}{route}: {e}") from None
         if response.status_code != 200:
             raise EngineError(
                 f"rollout server {self.url}{route}: HTTP {response.status_code}: {one_line(response.text)}"
