@@ -14,9 +14,9 @@ step (staleness 0 to max_staleness instead of exactly s), so its early reward is
 hundredths from seed to seed (and a separate-mode run is not repeatable: timing decides which
 version samples what), so compare means over seeds.
 
-On a CPU both sides share the same cores, so running them at once cannot shorten the total work;
-the figure to expect there is a ratio near 1 (or worse, from the contention and the aborted
-requests at each sync). With engines on their own GPUs a step costs about max(generate, train)
+On a CPU both sides share the same cores unless pinned, so running them at once saves only what
+one side leaves idle of the machine; bench/bench_overlap.py pins each side to a core of its own and
+measures the overlap itself. With engines on their own GPUs a step costs about max(generate, train)
 instead of generate + train.
 
 Weight traffic at the 8B recipe's size (8.2e9 parameters in bf16): 16.4 GB written to shared memory
@@ -115,6 +115,15 @@ def main() -> None:
     print(f"mean over {args.seeds} seed(s):")
     for mode, r in mean.items():
         print(line(mode, r))
+    gaps = [
+        s["reward_last"] - c["reward_last"] for s, c in zip(runs["separate"], runs["colocated"], strict=True)
+    ]
+    if len(gaps) > 1:
+        se = statistics.stdev(gaps) / len(gaps) ** 0.5
+        print(
+            f"last fifth's reward, separate - colocated, seed by seed: "
+            f"{' '.join(f'{g:+.3f}' for g in gaps)}; mean {statistics.mean(gaps):+.3f} +- {se:.3f} (standard error)"
+        )
     c, s = mean["colocated"], mean["separate"]
     print(
         f"separate / colocated: wall {s['wall_s'] / c['wall_s']:.2f}x, time per step "

@@ -115,6 +115,7 @@ def test_shm_sync_makes_server_match_learner(served, tokenizer, tmp_path):
     transport = ShmWeightTransport(0, 1, torch.float32, functools.partial(swap_weights, [server]), tag="test")
     try:
         transport.push(learner)
+        transport.wait()
         assert logprob_gap(engine, learner, sequences) < 1e-4
         for _ in range(2):
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
@@ -122,6 +123,7 @@ def test_shm_sync_makes_server_match_learner(served, tokenizer, tmp_path):
             stale = logprob_gap(engine, learner, sequences)
             assert stale > 1e-3, f"a skipped sync moved the probe by only {stale:.2e}"
             transport.after_update(learner)
+            transport.wait()
             assert logprob_gap(engine, learner, sequences) < 1e-4
             assert server.weight_version() == str(learner.version)
         m = transport.take_metrics()
@@ -205,6 +207,7 @@ def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(se
     transport = ShmWeightTransport(0, 1, torch.float32, functools.partial(swap_weights, [server]), tag="mid")
     try:
         transport.push(learner)
+        transport.wait()
         versions.keep()
         before = learner.version
         # Move the weights (the sync below sends them mid-response).
@@ -214,7 +217,7 @@ def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(se
         prompt = probe(tokenizer)[0]
         body = sampling_body(prompt, recipe.rollout)
         body["sampling_params"] |= {"n": 1, "max_tokens": 160, "ignore_eos": True}
-        completion = stream_until(server, body, 24, lambda: transport.push(learner))
+        completion = stream_until(server, body, 24, lambda: (transport.push(learner), transport.wait()))
     finally:
         transport.close()
     v = completion.versions
@@ -245,6 +248,7 @@ def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp
         versions.keep()
 
     sync(learner)
+    transport.wait()
     producer.start()
     try:
         for _ in range(4):

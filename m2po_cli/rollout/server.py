@@ -52,8 +52,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _child_setup(cores: set[int] | None) -> Callable[[], None]:
+    """What the server's process does between fork and exec: die with the run, and on a CPU keep
+    all of its processes (API server, engine core, workers) on the cores its compute threads are
+    bound to, off the learner's."""
+
+    def setup() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+def bound_cores(bind: str) -> set[int]:
+    """The cores of a `VLLM_CPU_OMP_THREADS_BIND` value ("0-3", "0,2", "0-1|2-3"; "all" or "auto": none)."""
+    if bind in ("all", "auto", "nobind", ""):
+        return set()
+    cores: set[int] = set()
+    for part in bind.replace("|", ",").split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def serve_command(
@@ -134,13 +154,15 @@ class EngineServer:
         `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
         port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = _server_env(devices)
+        cores = None if _on_gpu() else bound_cores(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 serve_command(model_dir, cfg, dtype, max_model_len, port),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=_server_env(devices),
-                preexec_fn=_die_with_parent,
+                env=env,
+                preexec_fn=_child_setup(cores),
             )
         server = cls(f"http://127.0.0.1:{port}", proc, log_path)
         try:

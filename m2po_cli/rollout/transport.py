@@ -14,9 +14,9 @@ Two transports of one shape, picked by `rollout.weight_transport`:
 
 Either way every learner rank walks the model parameter by parameter (`Learner.hf_weights`; each
 `full_tensor()` is a collective), so no rank holds more than one full parameter beyond its shard and
-nothing is pickled. The servers are paused (requests in flight are aborted and regenerated) while
-they load; then each gets the learner's version (`/update_weight_version`) and must report it back
-on `/weight_info`, or the run stops.
+nothing is pickled. The servers are paused while they load (requests in flight stay, and go on
+under the new weights); then each gets the learner's version (`/update_weight_version`) and must
+report it back on `/weight_info`, or the run stops.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -111,6 +112,9 @@ class WeightTransport:
         """Every rank: move the weights; rank 0 (through `swap`) also loads them. Returns bytes sent."""
         raise NotImplementedError
 
+    def wait(self) -> None:
+        """Until the servers hold the last weights pushed (a push may return before they do)."""
+
     def take_metrics(self) -> dict[str, float]:
         m = {
             "perf/weight_sync_s": self.seconds,
@@ -125,11 +129,17 @@ class WeightTransport:
 
 
 class ShmWeightTransport(WeightTransport):
-    """Safetensors files in shared memory, one per parameter, reloaded by each server."""
+    """Safetensors files in shared memory, one per parameter, reloaded by each server.
+
+    The learner only writes the files: the servers load them on a thread of rank 0 while the
+    learner goes on with its next update, and the next push first waits for that load, so shared
+    memory never holds more than one copy of the model and the engines' versions stay in order."""
 
     def __init__(self, rank, sync_every, dtype, swap, tag: str):
         super().__init__(rank, sync_every, dtype, swap)
         self.folder = None
+        self.loading: threading.Thread | None = None
+        self.load_error: BaseException | None = None
         if swap is not None:  # only the rank that writes needs a folder
             self.swept = sweep_orphans(shm_root())
             self.folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-pid{os.getpid()}-", dir=shm_root()))
@@ -140,17 +150,37 @@ class ShmWeightTransport(WeightTransport):
             for _ in tensors:  # the other ranks take part in every full_tensor() gather
                 pass
             return 0
+        self.wait()
         out = self.folder / f"v{learner.version:08d}"
         num_bytes = write_safetensors(tensors, out)
-        try:
-            self.swap(lambda servers: [s.load_weights(out) for s in servers], learner.version)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
+        self.loading = threading.Thread(target=self._load, args=(out, learner.version), name="weight-load")
+        self.loading.start()
         return num_bytes
 
+    def _load(self, out: Path, version: int) -> None:
+        try:
+            self.swap(lambda servers: [s.load_weights(out) for s in servers], version)
+        except BaseException as e:  # noqa: BLE001 (raised on the learner's thread by `wait`)
+            self.load_error = e
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Until the servers hold the last weights pushed; raises what their load raised."""
+        if self.loading is not None:
+            self.loading.join()
+            self.loading = None
+        if self.load_error is not None:
+            error, self.load_error = self.load_error, None
+            raise error
+
     def close(self) -> None:
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        try:
+            if self.loading is not None:
+                self.loading.join()
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def resolve_transport(choice: str) -> str:

@@ -141,7 +141,7 @@ class RunLog:
         if "loss/clip_frac" in m:  # the share of tokens the loss gives no gradient: masked by M2PO
             verb = "masked" if "m2po/num_masked" in m else "clipped"
             parts.append(f"{verb} {100 * m['loss/clip_frac']:.2f}%")
-        parts.append(f"stale {m.get('staleness/mean', 0):.0f}")
+        parts.append(f"stale {m.get('staleness/mean', 0):.1f}")
         if "perf/engine_idle_frac" in m:  # separate mode: who waited for whom
             parts.append(
                 f"idle engine {100 * m['perf/engine_idle_frac']:.0f}% learner {100 * m['perf/learner_idle_frac']:.0f}%"

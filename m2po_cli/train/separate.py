@@ -81,7 +81,9 @@ class SeparateSource:
         loop = restored.loop if restored is not None else {"step": 0, "in_flight": [], "fresh": []}
         carried = {k: [(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")}
         if carried["in_flight"]:
-            log.message(f"regenerating {len(carried['in_flight'])} prompts that were in flight")
+            log.message(
+                f"regenerating {len(carried['in_flight'])} prompts that were in flight (partial responses are not kept)"
+            )
         forget_steps_from(self.run_dir / TRAINED_LOG, loop["step"])
         servers = start_servers(recipe, model_dir, self.run_dir, self.learner.world, log.message)
         for server in servers:
@@ -102,6 +104,7 @@ class SeparateSource:
     def start(self, first_step: int) -> None:
         """The engines start from the learner's weights, whatever they held; then generation starts."""
         self.transport.push(self.learner)
+        self.transport.wait()
         self.transport.take_metrics()
         if self.producer is not None:
             self.producer.start()

@@ -1,0 +1,208 @@
+"""Does separate mode overlap generation and training? The overlap efficiency, on two CPU cores.
+
+Separate mode is worth its staleness only if the engine and the learner work at the same time, so a
+step costs max(generate, train) instead of generate + train. On a 2-core machine that can be shown
+by giving each side one core of its own (one thread each): the engine (`vllm serve`, all of its
+processes) core 0, the learner (and its grader, its HTTP client, its weight writes) core 1.
+Measured in one run of this script, on the quickstart task:
+
+1. **Each side alone**, through separate mode's own code, in this process: the producer gathers
+   `--steps` steps' worth of groups from the server with the learner idle (generation alone, per
+   step), then the learner settles (grades, packs) and trains on them, pushing its weights to the
+   server after every update, with the engine idle (training alone, per step).
+2. **Separate**: `m2po train` in separate mode, both sides at once, each on its core.
+3. **Colocated on both cores**: `m2po train` in colocated mode, the mode separate mode must beat.
+
+Printed: the time per step and samples/s of each, the overlap efficiency
+`max(generate, train) / separate time per step` (1.0 is a perfect overlap; the figure that carries to
+GPUs, where each side has its own devices), separate over colocated samples/s, the learner's and
+the engine's idle fractions, the mean staleness, and the share of generated tokens that were
+trained. Steady state: the first `--warmup` steps of every run are left out.
+
+    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--repeats 3]
+
+What it predicts for the 8B recipe is worked out in docs/staleness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+SETS = [
+    "run.seed=0",
+    "checkpoint.every=0",
+    "checkpoint.export_hf=false",
+    "inspect.every=0",
+    'logging.console="plain"',
+]
+ENGINE_CORE, LEARNER_CORE = 0, 1
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE)}
+
+
+def run(name: str, recipe: str, sets: list[str], pinned: bool, out: Path) -> list[dict]:
+    """One `m2po train` run (pinned: the learner on its core, one thread; else every core); its
+    metrics, one dict per step."""
+    cmd = [sys.executable, "-m", "m2po_cli", "train", str(ROOT / "recipes" / recipe)]
+    cmd += [a for s in [f'run.output_dir="{out}"', f'run.name="{name}"', *SETS, *sets] for a in ("--set", s)]
+    cores = {LEARNER_CORE} if pinned else set(range(os.cpu_count() or 1))
+    env = {**os.environ, **ONE_THREAD} if pinned else os.environ
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores)
+    )
+    if done.returncode:
+        sys.exit(f"{name} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
+    """Seconds per step of generation alone and of the learner's side alone (separate mode's code,
+    this process on the learner's core with one thread, the server on the engine's core)."""
+    import torch
+
+    from m2po_cli.config import load_recipe
+    from m2po_cli.data import PromptBatches, load_problems
+    from m2po_cli.device import resolve_dtype, torch_dtype
+    from m2po_cli.grader import Grader, grader_workers
+    from m2po_cli.learner import Learner
+    from m2po_cli.loss import build_loss
+    from m2po_cli.models import load_tokenizer, resolve_model
+    from m2po_cli.record import Recorder
+    from m2po_cli.rollout.producer import RolloutProducer
+    from m2po_cli.rollout.server import EngineServer
+    from m2po_cli.rollout.transport import ShmWeightTransport
+    from m2po_cli.train.packed import PackedRollouts
+    from m2po_cli.train.separate import settle
+    from m2po_cli.train.updates import train_on
+
+    torch.set_num_threads(1)
+    sets = [f'run.output_dir="{out}"', 'run.name="alone"', *SETS, f"run.steps={args.steps}"]
+    recipe = load_recipe(ROOT / "recipes" / "quickstart-separate.toml", sets)
+    model_dir = resolve_model(recipe.model.path)
+    steps, per_step = args.steps, recipe.rollout.prompts_per_step
+    prompts = PromptBatches(load_problems(recipe.data), load_tokenizer(model_dir), recipe.data, per_step)
+    server = EngineServer.start(
+        model_dir, recipe.rollout, resolve_dtype(recipe.model.dtype), recipe.max_model_len, out / "engine.log"
+    )
+    try:
+        server.set_version(0)
+        server.check({}, recipe.max_model_len)  # reads its concurrency
+        # Generation alone: every step's groups admitted at once, the learner idle.
+        producer = RolloutProducer([server], prompts, recipe.rollout, per_step, steps, 0)
+        producer.start()
+        producer.take(per_step, 0)  # the engine warms up
+        t0 = time.perf_counter()
+        groups = [producer.take(per_step, 0) for _ in range(1, steps)]
+        generate = (time.perf_counter() - t0) / (steps - 1)
+        producer.stop()
+        # The learner's side alone: settle, train, push to the (idle) engine after every update.
+        learner = Learner(model_dir, recipe)
+        recorder = Recorder(out, recipe.inspect, 0, 0, 1)
+        transport = ShmWeightTransport(0, 1, torch_dtype(recipe.model.dtype), producer.swap, "bench-overlap")
+        loss_fn = build_loss(recipe.loss)
+        with Grader(num_workers=grader_workers(1)) as grader:
+            times = []
+            for step, taken in enumerate(groups):
+                t0 = time.perf_counter()
+                finished = [((g.epoch, g.prompt), g.version, g.rows) for g in taken]
+                rows = settle(finished, grader, recipe)
+                batch = PackedRollouts.cat(rows, torch.arange(len(rows) * recipe.rollout.n))
+                train_on(batch, learner, loss_fn, transport.after_update, recipe, recorder, step)
+                times.append(time.perf_counter() - t0)
+        transport.close()
+        return generate, sum(times[args.warmup :]) / len(times[args.warmup :])
+    finally:
+        server.close()
+
+
+def mean(steps: list[dict], key: str) -> float:
+    return sum(m[key] for m in steps) / len(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8, help="steps left out of every figure")
+    parser.add_argument("--staleness", type=int, default=4, help="separate mode's max_staleness")
+    parser.add_argument("--repeats", type=int, default=3, help="separate and colocated runs, alternating")
+    args = parser.parse_args()
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("this benchmark gives each side a core of its own: it needs at least 2")
+    steps = [f"run.steps={args.steps}"]
+    separate, colocated = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        print(
+            "running: each side alone, then separate (a core each) and colocated (both cores)",
+            file=sys.stderr,
+        )
+        os.environ.update(ONE_THREAD)  # the engine's core, for the server this process starts
+        os.sched_setaffinity(0, {LEARNER_CORE})
+        t0 = time.perf_counter()
+        generate, train = alone(args, out)
+        print(f"  alone: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        for r in range(args.repeats):
+            sets = [*steps, f"staleness.max_staleness={args.staleness}"]
+            separate.append(run(f"separate-{r}", "quickstart-separate.toml", sets, True, out)[args.warmup :])
+            sets = [*steps, "staleness.s=0"]
+            colocated.append(run(f"colocated-{r}", "quickstart.toml", sets, False, out)[args.warmup :])
+    samples = 32 * 8
+    sep_steps = [mean(steps, "time/step") for steps in separate]
+    col_steps = [mean(steps, "time/step") for steps in colocated]
+    sep_step, col_step = statistics.median(sep_steps), statistics.median(col_steps)
+    every = [m for steps in separate for m in steps]
+    trained_tokens = sum(m["rollout/response_tokens_mean"] * samples for m in every)
+    generated_tokens = sum(m["rollout/generated_tokens"] for m in every)
+    each = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    rows = [
+        ("generation alone, one core", f"{generate:.3f} s/step", ""),
+        ("learner alone, one core", f"{train:.3f} s/step", ""),
+        (
+            "separate, one core each",
+            f"{sep_step:.3f} s/step",
+            f"{samples / sep_step:.0f} samples/s  ({each(sep_steps)})",
+        ),
+        (
+            "colocated, both cores",
+            f"{col_step:.3f} s/step",
+            f"{samples / col_step:.0f} samples/s  ({each(col_steps)})",
+        ),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print(
+        f"\nquickstart task, 32 x 8 samples per step, steps {args.warmup}..{args.steps - 1}, "
+        f"medians of {args.repeats} runs:"
+    )
+    for name, step, rate in rows:
+        print(f"  {name:<{width}}  {step:>13}  {rate}")
+    efficiencies = [max(generate, train) / x for x in sep_steps]
+    print(
+        f"  overlap efficiency max(generate, train) / separate: {max(generate, train) / sep_step:.2f} "
+        f"({each(efficiencies)})"
+    )
+    print(f"  separate / colocated samples/s: {col_step / sep_step:.2f}x")
+    print(
+        f"  separate idle: learner {100 * mean(every, 'perf/learner_idle_frac'):.1f}%, "
+        f"engine {100 * mean(every, 'perf/engine_idle_frac'):.1f}%; mean staleness "
+        f"{mean(every, 'staleness/mean'):.2f} updates"
+    )
+    print(
+        f"  generated tokens trained: {100 * trained_tokens / max(generated_tokens, 1):.1f}% "
+        f"(regenerated requests: {sum(m['rollout/regenerated'] for m in every):.0f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
