@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -43,6 +44,8 @@ def fake():
         class Handler(BaseHTTPRequestHandler):
             def _answer(self):
                 status, body = answers.get(self.path.split("?")[0], (404, {"detail": "Not Found"}))
+                if body == "hang":
+                    time.sleep(30)  # longer than any deadline of the test
                 data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
@@ -116,3 +119,28 @@ def test_a_wrong_server_is_refused_in_one_line_with_its_reason(fake, case):
     message = str(info.value)
     assert message.startswith(f"rollout server {url} ") and reason in message, message
     assert "\n" not in message and len(message) < 400, "an error page is not an error line"
+
+
+def test_a_server_that_stops_answering_stops_the_learner_within_the_deadline(fake, char_tokenizer):
+    """A server that takes requests and never answers them (hung, or far too slow): the learner's
+    wait ends at `rollout.request_timeout_s` with one line naming the server, not at the collective
+    timeout an hour later."""
+    from m2po_cli.config import DataConfig, RolloutConfig, SyntheticConfig
+    from m2po_cli.data import PromptBatches, load_problems
+    from m2po_cli.rollout.producer import RolloutProducer
+
+    url = fake(routes(**{GENERATE: (200, "hang")}))
+    data = DataConfig(source="synthetic:arithmetic", synthetic=SyntheticConfig(num_problems=16))
+    prompts = PromptBatches(load_problems(data), char_tokenizer, data, 2)
+    producer = RolloutProducer([EngineServer(url)], prompts, RolloutConfig(n=2, request_timeout_s=2), 2, 1, 0)
+    producer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineError) as info:
+            producer.take(2, 0)
+    finally:
+        producer.stop()
+    assert time.monotonic() - t0 < 10
+    # The request's own deadline or the learner's wait, whichever fires first: both name the server.
+    message = str(info.value)
+    assert url in message and "2 s (rollout.request_timeout_s)" in message, message
