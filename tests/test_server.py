@@ -232,9 +232,10 @@ def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(se
 
 
 def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp_path):
-    """Separate mode's producer through one sync per update: nothing is regenerated, every token's
-    staleness is within the bound, and every token's behaviour logprob is the learner's under the
-    weights of the version it records."""
+    """Separate mode's producer through one sync per update: nothing is regenerated, groups are
+    trained in admission order (the trained sample is the generated one, long responses included),
+    every token's staleness is within the bound, and every token's behaviour logprob is the
+    learner's under the weights of the version it records."""
     recipe, server, learner = served
     max_staleness, per_update = 2, 4
     problems = synthetic_arithmetic(SyntheticConfig(max_operand=4, num_problems=64), seed=0)
@@ -251,8 +252,10 @@ def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp
     transport.wait()
     producer.start()
     try:
-        for _ in range(4):
+        for k in range(4):
             groups = producer.take(per_update, learner.version)
+            # Taken in admission order, whatever finished first: no selection by response length.
+            assert [g.index for g in groups] == list(range(k * per_update, (k + 1) * per_update))
             batch = pack_groups(
                 min(g.version for g in groups),
                 0,
