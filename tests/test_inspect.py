@@ -326,6 +326,20 @@ def test_records_round_trip_and_a_resumed_run_drops_what_it_redoes(tmp_path):
     ]
 
 
+def test_records_of_the_first_format_give_each_token_its_rows_staleness(tmp_path):
+    """Records written before tokens carried their own staleness (format 1, `staleness_R` per
+    sequence) still load: each token gets the staleness of its sequence."""
+    from safetensors.torch import save_file
+
+    old = sample(5, [3, 1, 2]).tensors()
+    del old["staleness_N"]
+    old["staleness_R"] = torch.tensor([4, 6, 5])
+    path = step_path(tmp_path, 5)
+    path.parent.mkdir(parents=True)
+    save_file(old, str(path), metadata={"format": "m2po-inspect-1", "step": "5", "updates": "[]"})
+    assert load_records(tmp_path).sample.staleness_N.tolist() == [4, 4, 4, 6, 5, 5]
+
+
 def test_pick_is_seeded_bounded_and_equal_across_ranks():
     rows, lengths = list(range(100, 164)), [10] * 64
     shares = [
