@@ -68,7 +68,6 @@ class Group:
     rows: Any  # what `settle` made of the completions (the completions themselves without one)
     version: int
     index: int  # admission order: the learner trains groups in it
-    num_tokens: int  # response tokens of the group's samples
 
 
 class RolloutProducer:
@@ -85,13 +84,12 @@ class RolloutProducer:
         in_flight: list[Ticket] = (),
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
-        per_server: int | None = None,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
         self.per_update, self.max_staleness = prompts_per_update, max_staleness
         self.settle = settle
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
-        self.per_server = per_server or max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
+        self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
         self.cond = threading.Condition()
         self.engine_version = version
         # The learner has consumed version * B groups; the carried ones were admitted already, in order.
@@ -153,8 +151,8 @@ class RolloutProducer:
     def _check_progress(self) -> None:
         """Under the lock: stop the run if a started server died or nothing finished for too long."""
         for s in self.servers:
-            if s.exited() is not None:
-                self.error = EngineError(s.exited())
+            if (why := s.exited()) is not None:
+                self.error = EngineError(why)
         waited = time.monotonic() - self._last_progress
         if self.error is None and self.running and waited > self.cfg.request_timeout_s:
             urls = sorted({url for _, _, url in self.running.values()})
@@ -378,6 +376,5 @@ class RolloutProducer:
                 self.cond.notify_all()
 
     def _settled(self, finished: list[tuple[Finished, int]], rows: list[Any]) -> None:
-        for ((ticket, version, completions), index), r in zip(finished, rows, strict=True):
-            num_tokens = sum(len(c.token_ids) for c in completions)
-            self.done[index] = Group(ticket[0], ticket[1], r, version, index, num_tokens)
+        for ((ticket, version, _), index), r in zip(finished, rows, strict=True):
+            self.done[index] = Group(ticket[0], ticket[1], r, version, index)

@@ -201,12 +201,12 @@ class EngineServer:
         """Stop the run, in one line with the real reason, unless this is a vLLM server with the
         routes the run needs, serving a model of the learner's shape (`signature`, see
         `worker.model_signature`) with room for `max_model_len` tokens and behaviour logprobs."""
-        health = self._get("/health", "")
+        health = self._call("GET", "/health")
         if health.status_code != 200:
             raise self._refuse(
                 f"answers HTTP {health.status_code} on /health: not a vLLM server, or not ready"
             )
-        models = self._get("/v1/models", "").json().get("data") or []
+        models = self._call("GET", "/v1/models").json().get("data") or []
         if not models:
             raise self._refuse("serves no model (/v1/models is empty)")
         self.model_name, served_len = models[0]["id"], models[0].get("max_model_len") or 0
@@ -216,7 +216,8 @@ class EngineServer:
                 "(--max-model-len)"
             )
         hint = "start it with VLLM_SERVER_DEV_MODE=1 (vLLM's RL and dev routes)"
-        config = self._get("/server_info", hint, params={"config_format": "json"}).json()["vllm_config"]
+        info = self._call("GET", "/server_info", hint, params={"config_format": "json"})
+        config = info.json()["vllm_config"]
         self.max_num_seqs = int(config["scheduler_config"]["max_num_seqs"])
         if config["model_config"].get("logprobs_mode") != "processed_logprobs":
             raise self._refuse(
@@ -224,7 +225,7 @@ class EngineServer:
                 "it samples: start it with --logprobs-mode processed_logprobs"
             )
         probe = {"model": self.model_name, "token_ids": [0], "sampling_params": {"max_tokens": 1}}
-        generate = self.http.post(GENERATE, json=probe)
+        generate = self._call("POST", GENERATE, json=probe)
         if generate.status_code != 200:
             raise self._refuse(
                 f"answers HTTP {generate.status_code} on {GENERATE}: start it with --enable-scale-out "
@@ -238,13 +239,15 @@ class EngineServer:
             shown = ", ".join(f"{k} {signature[k]} here, {served.get(k)} there" for k in differ)
             raise self._refuse(f"serves a model of another shape than the learner's ({shown})")
 
-    def _get(self, route: str, hint: str, **kw) -> httpx.Response:
+    def _call(self, verb: str, route: str, hint: str = "", **kw) -> httpx.Response:
+        """One request of `check`; a failure to connect, and a 404 where `hint` says what enables the
+        route, are refusals in one line."""
         try:
-            response = self.http.get(route, timeout=30.0, **kw)
+            response = self.http.request(verb, route, **kw)
         except httpx.ConnectError:
             raise self._refuse("refused the connection: is vllm serve running there?") from None
         except httpx.TransportError as e:
-            raise self._refuse(f"{route}: {type(e).__name__}: {e}") from None
+            raise self._refuse(self.exited() or f"{route}: {type(e).__name__}: {e}") from None
         if response.status_code == 404 and hint:
             raise self._refuse(f"has no {route} route: {hint}")
         return response
@@ -252,9 +255,9 @@ class EngineServer:
     def _refuse(self, reason: str) -> EngineError:
         return EngineError(f"rollout server {self.url} {reason}")
 
-    def collective_rpc(self, method: str, *args, hint: str = "") -> object:
+    def collective_rpc(self, method: str, *args: str, hint: str = "") -> object:
         """Call a worker-extension method on every worker; the first worker's answer."""
-        response = self.http.post("/collective_rpc", json={"method": method, "args": list(args)})
+        response = self._call("POST", "/collective_rpc", json={"method": method, "args": list(args)})
         if response.status_code != 200:
             extra = f": {hint}" if hint else ""
             raise self._refuse(
@@ -294,7 +297,7 @@ class EngineServer:
 
     def load_weights(self, weights_dir: Path) -> None:
         """Reload every worker from the safetensors files in `weights_dir` (HF names)."""
-        self.post("/collective_rpc", json={"method": "m2po_load_weights_from", "args": [str(weights_dir)]})
+        self.collective_rpc("m2po_load_weights_from", str(weights_dir))
 
     def drop_kv_cache(self) -> None:
         """Forget every cached KV block, those of the requests kept in flight included: they are

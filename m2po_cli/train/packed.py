@@ -103,11 +103,10 @@ class PackedRollouts:
     def cat(parts: list[PackedRollouts], row_B: Tensor) -> PackedRollouts:
         """The rows of `parts`, one after the other, renumbered `row_B`; `version` is the oldest."""
         lengths_B = torch.cat([p.lengths_B for p in parts])
-        tensors = {
-            name: torch.cat([getattr(p, name) for p in parts])
-            for name in PackedRollouts.empty(0).tensors()
-            if name not in ("row_B", "offsets_B1")
-        }
+        per_row = [
+            f.name for f in fields(PackedRollouts) if f.name not in ("version", "meta", "row_B", "offsets_B1")
+        ]
+        tensors = {name: torch.cat([getattr(p, name) for p in parts]) for name in per_row}
         return PackedRollouts(
             version=min(p.version for p in parts),
             row_B=row_B,

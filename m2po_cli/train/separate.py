@@ -3,7 +3,7 @@
 Rank 0 owns the rollout servers (started here or attached), the producer's threads and the
 grader, which grades each group as it finishes and packs it into tensors; every rank trains its
 slice of each optimizer batch and takes part in the weight transport. One step takes
-`prompts_per_step` finished groups, oldest version first; the engines get the weights every
+`prompts_per_step` finished groups in admission order; the engines get the weights every
 `rollout.sync_every` updates, without stopping the requests in flight. No token is trained more
 than `staleness.max_staleness` updates after the policy that sampled it (the producer's admission
 keeps the bound).
