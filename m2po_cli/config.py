@@ -179,7 +179,11 @@ class RolloutConfig(Table):
     gpu_memory_utilization: float = field(
         0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1
     )
-    enforce_eager: bool = field(True, "Skip CUDA-graph/compile capture: faster start, slower steady state.")
+    cuda_graphs: bool = field(
+        True,
+        "GPU: capture CUDA graphs for decoding (slower start, faster generation; their memory counts in "
+        "gpu_memory_utilization). The CPU runs eager.",
+    )
     tensor_parallel_size: int = field(
         1,
         "Ranks that share one engine (tensor parallel); each group of them generates its own share. "
@@ -187,9 +191,10 @@ class RolloutConfig(Table):
         ge=1,
     )
     sleep_level: Literal[0, 1, 2] = field(
-        1,
-        "GPU: vLLM sleep level while the learner trains (0: stay awake; 1: weights to host RAM, KV cache "
-        "freed; 2: both freed). The CPU has no sleep mode.",
+        2,
+        "GPU: vLLM sleep level while the learner trains (0: stay awake; 2: weights and KV cache freed, "
+        "the learner's weights pushed after the wake). Level 1 is refused: it keeps a pinned host copy "
+        "of the weights that the push overwrites. The CPU has no sleep mode.",
     )
 
     def launch_problem(self, world: int) -> str | None:
@@ -202,6 +207,16 @@ class RolloutConfig(Table):
                 "launch; start a multiple of it (torchrun --nproc-per-node)"
             )
         return None
+
+    @model_validator(mode="after")
+    def _check_sleep_level(self) -> RolloutConfig:
+        if self.sleep_level == 1:
+            raise ValueError(
+                "sleep_level: 1 keeps a pinned host copy of the engine's weights (16 GB a GPU for an 8B "
+                "model) that every push overwrites; use 2 (the learner's weights are pushed after the "
+                "wake) or 0 (stay awake)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutConfig:

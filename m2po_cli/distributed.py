@@ -1,8 +1,9 @@
 """The process group and the collectives on host values that the learner and the loop share.
 
-One code path serves one process (a one-rank gloo group) and `torchrun` (gloo on CPU, NCCL on GPU).
-NCCL takes only device tensors, so a collective on host values (metrics, counts) moves them to the
-rank's GPU and back.
+One code path serves one process (a one-rank gloo group) and `torchrun`. On a GPU the group has two
+backends (`backend_spec`): NCCL for device tensors and gloo for host ones (metrics, counts, the
+log-ratios the global mask is computed from), so a collective takes a tensor wherever it lives.
+NCCL alone refuses host tensors; gloo alone is slow for the parameters FSDP2 gathers.
 """
 
 from __future__ import annotations
@@ -17,15 +18,23 @@ import torch
 import torch.distributed as dist
 
 
+def backend_spec(on_gpu: bool) -> str:
+    """The process group's backend for each device type: on a GPU, NCCL for CUDA tensors beside gloo
+    for host tensors; on the CPU, gloo."""
+    return "cpu:gloo,cuda:nccl" if on_gpu else "gloo"
+
+
 def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
     """Join torchrun's group, or make a one-rank group, so one code path serves both.
 
     `timeout` bounds every collective (NCCL's default, 10 minutes, is shorter than a rollout batch
-    of the paper's size)."""
+    of the paper's size). `M2PO_DIST_BACKEND` replaces `backend_spec` (torch's form,
+    `device:backend,...`; the tests build the GPU's group with gloo in place of NCCL)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():  # before NCCL starts, so each rank's communicator uses its own GPU
+    on_gpu = torch.cuda.is_available()
+    backend = os.environ.get("M2PO_DIST_BACKEND") or backend_spec(on_gpu)
+    if on_gpu:  # before NCCL starts, so each rank's communicator uses its own GPU
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
@@ -38,13 +47,18 @@ def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def transfer_device() -> torch.device | None:
+    """Where bulk collectives (rows, tokens) travel: the rank's GPU, whose backend (NCCL) is the
+    fast one; None on the CPU (host tensors stay where they are)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 def all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
-    """`x` reduced over every rank (a copy; on the GPU for NCCL, back on the host after)."""
+    """`x` reduced over every rank (a copy; `x` stays untouched)."""
     if dist.get_world_size() > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        y = x.to(device) if device else x.clone()
+        y = x.clone()
         dist.all_reduce(y, op=op)
-        return y.cpu()
+        return y
     return x
 
 

@@ -61,6 +61,11 @@ for var, sub in [
     Path(os.environ[var]).mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("WANDB_MODE", "offline")
 
+from tests.device_rule import gpu_group_on_cpu  # noqa: E402
+
+# Every process group of the suite refuses what the GPU's group would refuse (`device_rule`).
+os.environ["M2PO_DIST_BACKEND"] = gpu_group_on_cpu()
+
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 
 

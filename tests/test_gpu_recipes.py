@@ -51,7 +51,8 @@ def test_colocated_settings_match_their_comments(path: Path):
     share = f"samples its share of each rollout batch ({r.prompts_per_step} / {ranks} = "
     assert share + f"{r.prompts_per_step // ranks} prompts)" in engine
     assert "half of the GPU" in engine and r.gpu_memory_utilization == 0.5
-    assert f"sleeps (level {r.sleep_level}:" in engine and r.sleep_level == 1
+    assert f"sleeps (level {r.sleep_level}:" in engine and r.sleep_level == 2
+    assert "CUDA graphs" in engine and r.cuda_graphs
     assert r.tensor_parallel_size == 1 and "One GPU per engine" in comment_above(text, "tensor_parallel_size")
 
     updates = re.search(r"(\d+) / (\d+) = (\d+) optimizer updates", comment_above(text, "mini_batch_prompts"))

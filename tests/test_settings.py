@@ -25,7 +25,7 @@ def test_a_started_server_takes_every_setting_of_the_in_process_engine():
         dtype="float32",
         max_model_len=96,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
+        cuda_graphs=cfg.cuda_graphs,
         kv_cache_gib=cfg.kv_cache_gib,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         on_gpu=torch.cuda.is_available(),  # as `serve_command` decides

@@ -250,7 +250,6 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     from m2po_cli.device import resolve_dtype
     from m2po_cli.rollout.engine import build_llm
 
-    on_gpu = torch.cuda.is_available()
     return build_llm(
         model_dir,
         dtype=resolve_dtype(cfg.dtype),
@@ -258,7 +257,7 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
         in_process=True,
         kv_cache_gib=cfg.kv_cache_gib,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        enforce_eager=not (on_gpu and cfg.cuda_graphs),
+        cuda_graphs=cfg.cuda_graphs,
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
 

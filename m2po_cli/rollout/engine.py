@@ -61,6 +61,13 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def release_cached_memory() -> None:
+    """Return the blocks PyTorch's allocator caches but no tensor uses to the GPU, for the engine to
+    wake into (its weights and KV cache are allocated outside that cache). Nothing on the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _cpu_env() -> None:
     # Under torchrun each local rank binds its own share of the cores.
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -78,7 +85,7 @@ def build_llm(
     in_process: bool,
     kv_cache_gib: float,
     gpu_memory_utilization: float,
-    enforce_eager: bool,
+    cuda_graphs: bool,
     tensor_parallel_size: int = 1,
     behaviour_logprobs: bool = False,
     **extra: Any,
@@ -88,7 +95,10 @@ def build_llm(
     as it is.
     """
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
+    if on_gpu:
+        # CUDA graphs' memory is profiled into gpu_memory_utilization (vLLM's default; kept explicit).
+        os.environ.setdefault("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "1")
+    else:
         _cpu_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     from vllm import LLM
@@ -98,7 +108,7 @@ def build_llm(
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager,
+        cuda_graphs=cuda_graphs,
         kv_cache_gib=kv_cache_gib,
         gpu_memory_utilization=gpu_memory_utilization,
         on_gpu=on_gpu,
@@ -145,7 +155,7 @@ class VLLMEngine:
             in_process=True,
             kv_cache_gib=cfg.kv_cache_gib,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
+            cuda_graphs=cfg.cuda_graphs,
             behaviour_logprobs=True,
             enable_sleep_mode=self.sleep_level > 0,
             tensor_parallel_size=cfg.tensor_parallel_size,
@@ -180,12 +190,16 @@ class VLLMEngine:
 
         Asleep, the order is: wake the weights' memory, load, wake the KV cache, reset the prefix
         cache. The push always carries the learner's tensors, never a reload from disk: after a
-        level-2 sleep that would silently roll the policy back to the initial checkpoint.
+        level-2 sleep that would silently roll the policy back to the initial checkpoint. Before each
+        wake the learner's cached free blocks go back to the device (`release_cached_memory`): after
+        an update PyTorch's allocator still holds the activations' blocks, tens of GB at 8B.
         """
         if self.asleep:
+            release_cached_memory()
             self.llm.wake_up(tags=["weights"])
         stamped = self.llm.collective_rpc("m2po_push", kwargs={"weights": weights, "version": version})
         if self.asleep:
+            release_cached_memory()  # the push's gathered parameters (up to 3.7 GB at 8B)
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         # Prompts share prefixes across steps: cached KV from the old weights must not be reused.

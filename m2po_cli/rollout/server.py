@@ -86,7 +86,7 @@ def serve_command(
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
+        cuda_graphs=cfg.cuda_graphs,
         kv_cache_gib=cfg.kv_cache_gib,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         on_gpu=_on_gpu(),

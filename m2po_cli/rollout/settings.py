@@ -24,7 +24,7 @@ def engine_args(
     dtype: str,
     max_model_len: int,
     tensor_parallel_size: int,
-    enforce_eager: bool,
+    cuda_graphs: bool,
     kv_cache_gib: float,
     gpu_memory_utilization: float,
     on_gpu: bool,
@@ -38,7 +38,7 @@ def engine_args(
         dtype=dtype,
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager,
+        enforce_eager=not (on_gpu and cuda_graphs),  # CUDA graphs exist on a GPU only
         seed=0,
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=True,

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
 from m2po_cli.batch import Batch
+from m2po_cli.distributed import transfer_device
 from m2po_cli.rollout.engine import Completion
 
 
@@ -231,14 +232,14 @@ def distribute(
 
     A collective: every rank passes its own pack (empty if it generated nothing) and `owner_B` for
     its rows. Six all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta`
-    stays with the rank that holds it. Tensors travel on the collective's device (CUDA under NCCL).
+    stays with the rank that holds it. Tensors travel on the GPU when there is one (`transfer_device`).
     Rows are distributed before the learner scores them, so `learner_R` does not travel.
     """
     assert not pack.learner_R.numel(), "distribute rows before scoring them"
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return pack
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = transfer_device()
     order_B = torch.sort(owner_B * (pack.row_B.max() + 1 if pack.num_rows else 1) + pack.row_B).indices
     send = pack.take(order_B)
     rows_to = torch.bincount(owner_B, minlength=world)
@@ -282,7 +283,7 @@ def all_gather_rows(values_N: Tensor, group: dist.ProcessGroup | None = None) ->
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return values_N
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = transfer_device()
     sizes = _all_to_all(torch.tensor([values_N.numel()] * world), [1] * world, [1] * world, group, device)
     padded = values_N.new_zeros(max(int(sizes.max()), 1), device=device)
     padded[: values_N.numel()] = values_N.to(device) if device else values_N
