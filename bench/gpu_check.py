@@ -1,50 +1,58 @@
-"""The GPU check: the colocated learner + engine on one device, measured end to end; prints a table.
+"""The first GPU run in one call: what the 8B colocated recipe does, at its shapes with few layers.
 
-On a GPU it builds a Qwen3-0.6B-shaped model locally (random weights, no hub) and measures, in order:
-1. learner tokens/s and MFU of one optimizer update (fwd + bwd + AdamW), engine awake;
-2. vLLM generation tokens/s (64 prompts x 8 samples x 256 tokens);
-3. the same update with the engine asleep: peak device memory of both train phases;
-4. weight sync: seconds for the bytes pushed, against the device's measured copy bandwidth;
-5. engine-vs-learner logprob mismatch after that sync (bf16 on both sides);
-6. a few M2PO updates on the engine's own samples: the loss must be finite and change.
-On a CPU (no GPU found) the same steps run at tiny size; MFU and sleep mode need a GPU and are
-reported as skipped. Exits 1 if a check fails (non-finite or constant loss, a CPU-mode mismatch
-over 1e-4, a GPU-mode mismatch over 0.05).
+On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shapes but 4 layers
+(hidden 4,096, MLP 12,288, 32/8 heads, vocabulary 151,936, untied: 2.0 B parameters) and runs:
+1. `m2po train recipes/qwen3-8b-s256.toml` on it for 3 steps of one M2PO update each (staleness 1,
+   the synthetic task, 32 prompts x 8 samples of up to 512 tokens): the engine sleeps (level 2)
+   while the learner trains and wakes for every push. The run's own metrics give the learner's
+   tokens/s and MFU, the weight-sync seconds against the bytes pushed, the engine-vs-learner
+   logprob gap right after each push (every row is scored by the learner at the version that
+   sampled it), and the device memory free after each wake (`mem_get_info`);
+2. generation tokens/s of the engine alone, with CUDA graphs and eager, each in its own process;
+3. with 2 or more GPUs: the same run under `torchrun --nproc-per-node 2`, and the separate-mode
+   NCCL weight-transport test (`tests/test_transport.py`).
+It prints a table and writes it to docs/performance.md (`--write-doc`, on by default on a GPU).
+Without a GPU the same steps run at tiny size (the quickstart's model), and what needs a GPU (MFU,
+sleep mode, device memory, CUDA graphs, NCCL) is listed as not applicable. Exits 1 if a check
+fails: the run stops, a loss is not finite or never changes, the mean logprob gap after a push is
+over 0.05 (GPU, bf16) or 1e-4 (CPU, fp32), or under 5 GB is free after a wake.
 
-    .venv/bin/python bench/gpu_check.py [--out DIR]    (scripts/gpu_check.sh runs it)
+    .venv/bin/python bench/gpu_check.py [--out DIR] [--write-doc | --no-write-doc]
+    (scripts/gpu_check.sh runs it)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from local_model import QWEN3_0_6B, TINY, Qwen3Shape, write_qwen3
+from local_model import TINY, Qwen3Shape, write_qwen3
 
-from m2po_cli.batch import Batch
-from m2po_cli.config import load_recipe
-from m2po_cli.device import resolve_dtype
-from m2po_cli.learner import Learner
-from m2po_cli.loss import build_loss
-from m2po_cli.rollout.engine import VLLMEngine
-
-QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "qwen3-8b-s256.toml"
+DOC = ROOT / "docs" / "performance.md"
+ON_GPU = torch.cuda.is_available()
+# Qwen3-8B's shapes with 4 of its 36 layers.
+QWEN3_8B_4_LAYERS = Qwen3Shape(4096, 4, 32, 8, 128, 12_288, 151_936, tie_word_embeddings=False)
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
-ON_GPU = torch.cuda.is_available()
+MIN_FREE_GB = 5.0
 
 
 class Check:
-    """Rows of the table, the skipped items and the failed checks."""
+    """Rows of the table, what does not apply, and the failed checks."""
 
     def __init__(self):
         self.rows: list[tuple[str, str]] = []
-        self.skipped: list[str] = []
+        self.not_applicable: list[str] = []
         self.failed: list[str] = []
 
     def row(self, name: str, value: str) -> None:
@@ -54,247 +62,262 @@ class Check:
     def require(self, ok: bool, what: str) -> None:
         if not ok:
             self.failed.append(what)
+            print(f"  FAILED: {what}", flush=True)
 
-    def print(self) -> None:
-        width = max(len(n) for n, _ in self.rows)
-        print("\n" + "-" * (width + 40))
-        for name, value in self.rows:
-            print(f"{name:<{width}}  {value}")
-        for item in self.skipped:
-            print(f"skipped: {item}")
-        print("-" * (width + 40))
-        print("FAILED: " + "; ".join(self.failed) if self.failed else "all checks passed")
+    def markdown(self) -> str:
+        lines = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in self.rows]
+        lines += [""] + [f"- not applicable: {item}" for item in self.not_applicable]
+        lines += ["", "FAILED: " + "; ".join(self.failed) if self.failed else "All checks passed."]
+        return "\n".join(lines) + "\n"
 
 
-def synthetic_batch(num_rows: int, length: int, vocab: int, seed: int) -> Batch:
-    """Full-length rows, the second half of each a 'response' with random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(5, vocab, (num_rows, length), generator=g)
-    mask = torch.zeros(num_rows, length)
-    mask[:, length // 2 :] = 1.0
-    return Batch(
-        tokens_BL=tokens,
-        mask_BL=mask,
-        behaviour_logprobs_BL=torch.zeros(num_rows, length),  # refilled from the learner below
-        advantages_B=torch.randn(num_rows, generator=g),
-        lengths_B=torch.full((num_rows,), length),
+def sizes() -> dict:
+    """The run's sizes on this machine (GPU: the 8B shapes with 4 layers; CPU: tiny)."""
+    if ON_GPU:
+        return dict(shape=QWEN3_8B_4_LAYERS, prompts=32, n=8, tokens=512, gen_prompts=64, dtype="bfloat16")
+    return dict(shape=TINY, prompts=4, n=4, tokens=16, gen_prompts=8, dtype="float32")
+
+
+def train_overrides(model_dir: Path, out: Path, size: dict) -> list[str]:
+    """The 8B recipe, cut to 3 steps of one update on the local model and the synthetic task."""
+    cpu = [] if ON_GPU else ['model.dtype="auto"', "rollout.kv_cache_gib=0.25"]
+    return [
+        f'model.path="{model_dir}"',
+        f'run.output_dir="{out}"',
+        'run.name="gpu-check"',
+        "run.steps=3",
+        'data.source="synthetic:arithmetic"',
+        f"rollout.prompts_per_step={size['prompts']}",
+        f"rollout.n={size['n']}",
+        f"rollout.max_new_tokens={size['tokens']}",
+        f"train.mini_batch_prompts={size['prompts']}",
+        "staleness.s=1",
+        "checkpoint.every=0",
+        "checkpoint.final=false",
+        "checkpoint.export_hf=false",
+        "logging.wandb=false",
+        'logging.console="plain"',
+        "inspect.every=0",
+        *cpu,
+    ]
+
+
+def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[dict], float, str]:
+    """`m2po train` (under torchrun for nproc > 1); its metrics lines, wall seconds, and output tail."""
+    sets = [arg for o in train_overrides(model_dir, out, size) for arg in ("--set", o)]
+    launch = [sys.executable, "-m"] + (
+        ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"] if nproc > 1 else []
     )
-
-
-def device_bytes_in_use() -> int:
-    if not ON_GPU:
-        return 0
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def timed_update(learner: Learner, batch: Batch, loss_fn) -> tuple[float, dict[str, float], int]:
-    """Seconds, metrics and peak device bytes (whole device) of one optimizer update."""
-    if ON_GPU:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = device_bytes_in_use() - torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    metrics = learner.update(batch, loss_fn, int(batch.mask_BL.sum()))
-    if ON_GPU:
-        torch.cuda.synchronize()
+    done = subprocess.run(
+        [*launch, "m2po_cli", "train", str(RECIPE), *sets],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     seconds = time.perf_counter() - t0
-    peak = base + torch.cuda.max_memory_allocated() if ON_GPU else 0
-    return seconds, metrics, peak
+    tail = (done.stdout + done.stderr)[-3000:]
+    metrics = out / "gpu-check" / "metrics.jsonl"
+    if done.returncode or not metrics.exists():
+        return [], seconds, tail
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], seconds, tail
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (GPU) or 256 MiB (CPU), read + write counted once."""
-    n = (2**30 if ON_GPU else 2**28) // 4
-    device = "cuda" if ON_GPU else "cpu"
-    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
-    dst.copy_(src)
-    best = math.inf
-    for _ in range(5):
-        if ON_GPU:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if ON_GPU:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return n * 4 / best
+def report_train(check: Check, steps: list[dict], seconds: float, size: dict, label: str, nproc: int) -> None:
+    shape: Qwen3Shape = size["shape"]
+    check.require(len(steps) == 3, f"{label}: {len(steps)} of 3 steps logged")
+    if len(steps) != 3:
+        return
+    mean = lambda key: sum(s[key] for s in steps) / len(steps)  # noqa: E731
+    losses = [s["loss/loss"] for s in steps]
+    check.row(f"{label}: wall time, start to end", f"{seconds:.0f} s (3 steps, {nproc} rank(s))")
+    check.row(f"{label}: M2PO loss per update", ", ".join(f"{x:.4g}" for x in losses))
+    check.require(all(math.isfinite(x) for x in losses), f"{label}: a loss is not finite")
+    check.require(len(set(losses)) > 1, f"{label}: the loss never changed")
+    tokens_per_s = mean("perf/learner_tokens_per_s")
+    check.row(f"{label}: learner tokens/s (global pass, fwd+bwd, AdamW)", f"{tokens_per_s:,.0f}")
+    peak = (
+        next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+        if ON_GPU
+        else None
+    )
+    if peak is not None:
+        mfu = 6 * shape.num_params() * tokens_per_s / (nproc * peak * 1e12)
+        check.row(
+            f"{label}: learner MFU (6N FLOPs a token, bf16 dense peak)",
+            f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s a GPU",
+        )
+    generated = mean("rollout/generated_tokens")
+    check.row(
+        f"{label}: rollout tokens/s in training",
+        f"{generated / mean('time/generate'):,.0f} ({generated:,.0f} tokens a step)",
+    )
+    pushed = shape.num_params() * (2 if size["dtype"] == "bfloat16" else 4)
+    sync = [s["time/weight_sync"] for s in steps]
+    check.row(
+        f"{label}: weight sync (wake, push, wake)",
+        f"{min(sync):.2f}-{max(sync):.2f} s for {pushed / 1e9:.2f} GB = {pushed / min(sync) / 1e9:.1f} GB/s at best",
+    )
+    gap_mean, gap_max = (
+        max(s["rollout/logprob_mismatch_mean"] for s in steps),
+        max(s["rollout/logprob_mismatch_max"] for s in steps),
+    )
+    limit = 0.05 if ON_GPU else 1e-4
+    check.row(
+        f"{label}: engine vs learner logprob after a push (mean, max |diff|)",
+        f"{gap_mean:.2e}, {gap_max:.2e} (mean limit {limit:g})",
+    )
+    check.require(gap_mean < limit, f"{label}: mean logprob gap {gap_mean:.2e} >= {limit:g}")
+    if ON_GPU:
+        for tag in ("weights", "kv_cache"):
+            free = [s[f"mem/free_after_wake_{tag}_gb"] for s in steps if f"mem/free_after_wake_{tag}_gb" in s]
+            check.require(bool(free), f"{label}: no memory figure after the {tag} wake")
+            if free:
+                total = torch.cuda.mem_get_info()[1] / 1e9
+                check.row(
+                    f"{label}: free after the {tag} wake (least rank)",
+                    f"{min(free):.1f} GB of {total:.0f} GB",
+                )
+                check.require(
+                    min(free) >= MIN_FREE_GB, f"{label}: {min(free):.1f} GB free after the {tag} wake"
+                )
+
+
+def generate_alone(model_dir: Path, graphs: bool, size: dict) -> dict:
+    """Tokens and seconds of one `generate` call of a fresh engine (run in a child process)."""
+    from m2po_cli.config import load_recipe
+    from m2po_cli.rollout.engine import VLLMEngine
+
+    recipe = load_recipe(
+        RECIPE,
+        [
+            f"rollout.cuda_graphs={str(graphs).lower()}",
+            f"rollout.n={size['n']}",
+            f"rollout.max_new_tokens={size['tokens']}",
+            "rollout.kv_cache_gib=0.25",
+        ],
+    )
+    engine = VLLMEngine(model_dir, recipe.rollout, size["dtype"], 64 + size["tokens"])
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(5, size["shape"].vocab_size, (64,), generator=g).tolist()
+        for _ in range(size["gen_prompts"])
+    ]
+    engine.generate(prompts[:2], seed=1)  # warm-up
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, seed=0)
+    seconds = time.perf_counter() - t0
+    engine.close()
+    return {"tokens": sum(len(c.token_ids) for group in groups for c in group), "seconds": seconds}
+
+
+def report_generation(check: Check, model_dir: Path, size: dict) -> None:
+    for graphs in (True, False) if ON_GPU else (False,):
+        args = [
+            sys.executable,
+            __file__,
+            "--generate",
+            "graphs" if graphs else "eager",
+            "--model",
+            str(model_dir),
+        ]
+        done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+        name = f"generation alone, {'CUDA graphs' if graphs else 'eager'}"
+        check.require(done.returncode == 0, f"{name}: {(done.stderr or done.stdout)[-300:]}")
+        if done.returncode == 0:
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            check.row(
+                f"{name} (tokens/s)",
+                f"{r['tokens'] / r['seconds']:,.0f} ({size['gen_prompts']} prompts x {size['n']}, {r['tokens']:,} tokens in {r['seconds']:.1f} s)",
+            )
+
+
+def report_transport(check: Check) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "tests/test_transport.py",
+            "-k",
+            "nccl_sync_makes_server_match_learner",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
+    check.row("separate mode: NCCL weight transport test", last)
+    check.require(done.returncode == 0 and "passed" in last, f"NCCL transport test: {last}")
+
+
+def write_doc(check: Check, heading: str) -> None:
+    """Replace this mode's section of docs/performance.md (or append it)."""
+    text = DOC.read_text()
+    section = f"## {heading}\n\n{check.markdown()}"
+    start = text.find(f"## {heading}\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}: {heading}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="folder for the model (default: a temp dir)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="folder for the model and the runs (default: temporary)"
+    )
+    ap.add_argument(
+        "--write-doc", action=argparse.BooleanOptionalAction, default=ON_GPU, help="write docs/performance.md"
+    )
+    ap.add_argument("--generate", choices=["graphs", "eager"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    shape: Qwen3Shape = QWEN3_0_6B if ON_GPU else TINY
-    rows, length = (8, 2048) if ON_GPU else (4, 48)
-    gen_prompts, gen_n, gen_tokens = (64, 8, 256) if ON_GPU else (4, 2, 16)
+    size = sizes()
+    if args.generate:  # the child process of `report_generation`
+        print(json.dumps(generate_alone(args.model, args.generate == "graphs", size)))
+        return 0
     check = Check()
-    name = torch.cuda.get_device_name() if ON_GPU else "CPU"
-    print(f"m2po gpu check on {name} ({'GPU' if ON_GPU else 'CPU'} mode)", flush=True)
+    device = torch.cuda.get_device_name() if ON_GPU else "CPU"
+    gpus = torch.cuda.device_count()
+    heading = f"GPU mode: {gpus} x {device}" if ON_GPU else "CPU mode (tiny size)"
+    print(f"m2po gpu check, {heading}", flush=True)
     if not ON_GPU:
-        check.skipped += [
-            "Qwen3-0.6B size (CPU mode runs a 0.14M-parameter Qwen3 of the same layout)",
-            "MFU (no peak-FLOPs figure for a CPU)",
-            "sleep mode (vLLM has none on CPU: both train phases run with the engine awake)",
-            "device memory figures (a CPU has no separate device memory)",
+        check.not_applicable += [
+            "Qwen3-8B shapes (CPU mode runs a Qwen3 of the same layout with 0.14 M parameters)",
+            "MFU (no peak-FLOPs figure for a CPU); sleep mode and device memory (vLLM has neither on CPU)",
+            "CUDA graphs; the 2-GPU run and the NCCL weight transport",
         ]
+    elif gpus < 2:
+        check.not_applicable.append("the 2-rank run and the NCCL weight transport (one GPU visible)")
     with tempfile.TemporaryDirectory(prefix="m2po-gpu-check-") as tmp:
         out = args.out or Path(tmp)
+        shape: Qwen3Shape = size["shape"]
         t0 = time.perf_counter()
         model_dir = write_qwen3(out / "model", shape)
         check.row(
             "model",
-            f"Qwen3 {shape.num_params() / 1e6:.1f}M params, built in {time.perf_counter() - t0:.0f} s",
+            f"Qwen3, hidden {shape.hidden_size}, {shape.num_layers} layers, vocabulary {shape.vocab_size:,}: "
+            f"{shape.num_params() / 1e9:.2f} B parameters, built in {time.perf_counter() - t0:.0f} s",
         )
-        recipe = load_recipe(
-            QUICKSTART,
-            [
-                f'model.path="{model_dir}"',
-                f'run.output_dir="{out}"',
-                'model.dtype="auto"',
-                f"train.micro_batch_sequences={2 if ON_GPU else rows}",
-                'loss={type="m2po", tau=0.04}',
-                "optim.lr=1e-5" if ON_GPU else "optim.lr=0.02",
-                f"rollout.n={gen_n}",
-                "rollout.temperature=1.0",
-                f"rollout.max_new_tokens={gen_tokens}",
-                "rollout.gpu_memory_utilization=0.35",
-                "rollout.sleep_level=1",
-            ],
-        )
-        run_checks(check, recipe, model_dir, shape, rows, length, gen_prompts)
-    check.print()
+        steps, seconds, tail = run_train(model_dir, out / "one", size, nproc=1)
+        check.require(bool(steps), f"m2po train did not finish: {tail[-600:]}")
+        report_train(check, steps, seconds, size, "1 rank", nproc=1)
+        report_generation(check, model_dir, size)
+        if ON_GPU and gpus >= 2:
+            steps, seconds, tail = run_train(model_dir, out / "two", size, nproc=2)
+            check.require(bool(steps), f"2-rank m2po train did not finish: {tail[-600:]}")
+            report_train(check, steps, seconds, size, "2 ranks", nproc=2)
+            report_transport(check)
+    print("\n" + check.markdown())
+    if args.write_doc:
+        write_doc(check, heading)
     return 1 if check.failed else 0
-
-
-def run_checks(
-    check: Check, recipe, model_dir: Path, shape: Qwen3Shape, rows: int, length: int, gen_prompts: int
-):
-    learner = Learner(model_dir, recipe)
-    dtype = resolve_dtype(recipe.model.dtype)
-    engine = VLLMEngine(model_dir, recipe.rollout, dtype, 512 if ON_GPU else 128, log=print)
-    loss_fn = build_loss(recipe.loss)
-    try:
-        batch = synthetic_batch(rows, length, shape.vocab_size, seed=0)
-        batch.behaviour_logprobs_BL = learner.score(batch)[0] * batch.mask_BL
-        timed_update(learner, batch, loss_fn)  # warm-up: allocator, kernels
-        seconds, _, peak_awake = timed_update(learner, batch, loss_fn)
-        tokens_per_s = rows * length / seconds
-        check.row(
-            "learner tokens/s (fwd+bwd+AdamW)",
-            f"{tokens_per_s:,.0f} ({rows} x {length} tokens, {seconds:.2f} s)",
-        )
-        peak = (
-            next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
-            if ON_GPU
-            else None
-        )
-        if peak is not None:
-            mfu = 6 * shape.num_params() * tokens_per_s / (peak * 1e12)
-            check.row("learner MFU (6N FLOPs/token, bf16 peak)", f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s")
-        elif ON_GPU:
-            check.skipped.append(f"MFU (no bf16 peak figure for {torch.cuda.get_device_name()})")
-
-        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
-        prompts = [torch.randint(5, shape.vocab_size, (16,)).tolist() for _ in range(gen_prompts)]
-        t0 = time.perf_counter()
-        groups = engine.generate(prompts, seed=0)
-        gen_s = time.perf_counter() - t0
-        num_generated = sum(len(c.token_ids) for g in groups for c in g)
-        check.row(
-            "vLLM generation tokens/s",
-            f"{num_generated / gen_s:,.0f} ({num_generated:,} tokens, {gen_s:.1f} s)",
-        )
-        if ON_GPU:
-            check.row("peak memory, generate (engine awake)", gib(device_bytes_in_use()))
-            check.row("peak memory, train (engine awake)", gib(peak_awake))
-
-        engine.sleep()
-        _, _, peak_asleep = timed_update(learner, batch, loss_fn)
-        if ON_GPU:
-            check.row("peak memory, train (engine asleep)", gib(peak_asleep))
-
-        bandwidth = copy_bandwidth()
-        num_bytes = sum(t.numel() * t.element_size() for _, t in learner.hf_weights(engine.dtype))
-        if ON_GPU:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)  # wakes the engine
-        sync_s = time.perf_counter() - t0
-        check.row(
-            "weight sync",
-            f"{sync_s:.3f} s for {num_bytes / 1e6:,.1f} MB = {num_bytes / sync_s / 1e9:.2f} GB/s "
-            f"(device copy {bandwidth / 1e9:.0f} GB/s: {sync_s / (num_bytes / bandwidth):.1f}x)",
-        )
-        engine.require_version(learner.version)
-
-        probe = [p + g[0].token_ids for p, g in zip(prompts[:8], groups[:8], strict=True)]
-        gap = probe_gap(engine, learner, probe)
-        limit = 0.05 if ON_GPU else 1e-4
-        check.row("logprob mismatch after sync (max |engine - learner|)", f"{gap:.2e} (limit {limit:g})")
-        check.require(gap < limit, f"logprob mismatch {gap:.2e} >= {limit:g}")
-
-        losses = m2po_steps(engine, learner, loss_fn, prompts[:8], num_steps=3)
-        check.row("M2PO updates: loss", ", ".join(f"{x:.4g}" for x in losses))
-        check.require(all(math.isfinite(x) for x in losses), "non-finite M2PO loss")
-        check.require(len(set(losses)) > 1, "the M2PO loss did not change")
-    finally:
-        engine.close()
-
-
-def probe_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]) -> float:
-    """Largest |engine - learner| logprob of any token after the first of `sequences`."""
-    from_engine = engine.prompt_logprobs(sequences)
-    batch = padded(sequences, [[0.0] + lp for lp in from_engine], torch.zeros(len(sequences)), start=1)
-    learner_BL, _ = learner.score(batch)
-    return float(((learner_BL - batch.behaviour_logprobs_BL).abs() * batch.mask_BL).max())
-
-
-def padded(
-    sequences: list[list[int]],
-    logprobs: list[list[float]],
-    advantages_B: torch.Tensor,
-    start: list[int] | int,
-) -> Batch:
-    """Right-padded rows; the mask (and the given behaviour logprobs) cover tokens from `start` on."""
-    starts = [start] * len(sequences) if isinstance(start, int) else start
-    length = max(len(s) for s in sequences)
-    tokens, mask, behaviour = (torch.zeros(len(sequences), length) for _ in range(3))
-    for i, (seq, lp, s) in enumerate(zip(sequences, logprobs, starts, strict=True)):
-        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.float32)
-        mask[i, s : len(seq)] = 1.0
-        behaviour[i, s : len(seq)] = torch.tensor(lp[s:])
-    return Batch(tokens.long(), mask, behaviour, advantages_B, torch.tensor([len(s) for s in sequences]))
-
-
-def m2po_steps(
-    engine: VLLMEngine, learner: Learner, loss_fn, prompts: list[list[int]], num_steps: int
-) -> list[float]:
-    """Sample, reward at random (seeded), one M2PO update, push: `num_steps` times; the losses."""
-    losses = []
-    g = torch.Generator().manual_seed(0)
-    for step in range(num_steps):
-        groups = engine.generate(prompts, seed=step)
-        samples = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
-        rewards_PG = torch.randint(0, 2, (len(prompts), len(groups[0])), generator=g).float()
-        advantages_B = (
-            (rewards_PG - rewards_PG.mean(1, keepdim=True)) / (rewards_PG.std(1, keepdim=True) + 1e-6)
-        ).flatten()
-        batch = padded(
-            [p + c.token_ids for p, c in samples],
-            [[0.0] * len(p) + c.logprobs for p, c in samples],
-            advantages_B,
-            start=[len(p) for p, _ in samples],
-        )
-        engine.sleep()
-        metrics = learner.update(batch, loss_fn, int(batch.mask_BL.sum()))
-        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
-        losses.append(metrics["loss/loss"])
-    return losses
 
 
 if __name__ == "__main__":

@@ -277,7 +277,11 @@ class StalenessConfig(Table):
 
 
 class CheckpointConfig(Table):
-    every: int = field(0, "Save a DCP checkpoint every this many steps; 0 saves only at the end.", ge=0)
+    every: int = field(0, "Save a DCP checkpoint every this many steps; 0: none on the way.", ge=0)
+    final: bool = field(
+        True,
+        "Save one after the last step too (a finished run needs none to resume; the export holds its policy).",
+    )
     keep: int = field(2, "Checkpoints kept on disk (oldest removed first).", ge=1)
     resume: Literal["auto", "never"] = field(
         "auto", "auto: continue from the run directory's latest checkpoint."

@@ -30,7 +30,7 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion, VLLMEngine
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
-from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
 from tests.test_weight_sync import logprob_gap, no_record
 
@@ -92,7 +92,7 @@ def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[Packe
         pack = pack_groups(
             learner.version, share[0] * n, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
         )
-    batch = distribute(pack, owners(pack.row_B, rows_per_update(recipe), learner.world))
+    batch = distribute(pack, rows_per_update(recipe))
     return batch, [(i, [c.token_ids for c in g]) for i, g in zip(share, groups, strict=True)]
 
 

@@ -19,7 +19,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import Completion
 from m2po_cli.train.colocated import score_at_behaviour_version
-from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
@@ -72,7 +72,7 @@ def main(out: Path) -> None:
         batch = fixed_batch(step, 4, recipe.rollout.n, learner.arch.hf_config["vocab_size"])
         if learner.rank != 0:
             batch = PackedRollouts.empty(batch.version)
-        batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
+        batch = distribute(batch, rows_per_update(recipe))
         score_at_behaviour_version(batch, learner, everything=True)
         scored.append(
             {"row_B": batch.row_B, "learner_R": batch.learner_R, "offsets": batch.response_offsets()}

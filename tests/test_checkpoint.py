@@ -159,3 +159,17 @@ def test_a_one_process_group_leaves_nothing_in_tmpdir(tmp_path):
     env.pop("RANK", None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoints_fall_every_k_steps_and_after_the_last_unless_turned_off(tmp_path):
+    from m2po_cli.train.loop import checkpoint_due
+
+    def due(*overrides):
+        recipe = recipe_for(tmp_path, "run.steps=10", *overrides)
+        return [step for step in range(10) if checkpoint_due(recipe, step)]
+
+    assert due("checkpoint.every=4") == [3, 7, 9]
+    assert due("checkpoint.every=5") == [4, 9]
+    assert due("checkpoint.every=0") == [9]
+    assert due("checkpoint.every=4", "checkpoint.final=false") == [3, 7]
+    assert due("checkpoint.every=0", "checkpoint.final=false") == []

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from m2po_cli.models import resolve_model
+from m2po_cli.train.packed import owners
 
 WORKER = Path(__file__).with_name("dist_engine_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +54,21 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
         for i, group in enumerate(asked["responses"]):
             sampled.update({(2 * r + i, g): response for g, response in enumerate(group)})
     assert ranks[0]["rollout"]["asked"][0]["seed"] != ranks[1]["rollout"]["asked"][0]["seed"]
-    # ... and each rank then holds the rows it trains (2 updates of 2 prompts: prompts 0 and 2 on
-    # rank 0, 1 and 3 on rank 1), each row the prompt and the response its engine sampled.
+    # ... and each rank then holds the rows it trains, in row order: together every row once, each
+    # on the rank `owners` deals it to by length (2 updates of 2 prompts), each row the prompt and
+    # the response its engine sampled.
+    held = {
+        row: (r, len(tokens))
+        for r, rec in enumerate(ranks)
+        for row, tokens in zip(rec["rollout"]["rows"], rec["rollout"]["row_tokens"], strict=True)
+    }
+    row_N = torch.tensor(sorted(held))
+    assert row_N.tolist() == list(range(4 * n))
+    dealt = owners(row_N, torch.tensor([held[i][1] for i in row_N.tolist()]), 2 * n, 2)
+    assert dealt.tolist() == [held[i][0] for i in row_N.tolist()]
     for r, rec in enumerate(ranks):
         rows = rec["rollout"]
-        assert rows["rows"] == [p * n + g for p in (r, r + 2) for g in range(n)]
+        assert rows["rows"] == sorted(rows["rows"])
         for row, tokens, prompt_len in zip(rows["rows"], rows["row_tokens"], rows["prompt_len"], strict=True):
             prompt, sample = divmod(row, n)
             assert tokens == batch_prompts[prompt] + sampled[prompt, sample], f"row {row} on rank {r}"

@@ -48,9 +48,11 @@ def gpu_engine(monkeypatch):
     calls: list = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    free = iter([30e9, 12e9])  # what `mem_get_info` reports after each wake
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (int(next(free)), int(80e9)))
     engine = object.__new__(VLLMEngine)
     engine.cfg = RolloutConfig()
-    engine.dtype, engine.version, engine.asleep = torch.bfloat16, 0, False
+    engine.dtype, engine.version, engine.asleep, engine.free_at_wake = torch.bfloat16, 0, False, {}
     engine.sleep_level = engine.cfg.sleep_level
     engine.llm = RecordingLLM(calls)
     return engine, calls
@@ -77,6 +79,7 @@ def test_a_push_after_sleep_wakes_into_released_memory_then_loads_then_wakes_the
         ("set_weight_version", "3"),
     ]
     assert not engine.asleep and engine.version == 3
+    assert engine.free_at_wake == {"weights": int(30e9), "kv_cache": int(12e9)}
     assert all(call[0] != "reload_weights" for call in calls)
 
 

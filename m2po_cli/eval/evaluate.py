@@ -245,7 +245,6 @@ class EvalEngine:
 
 def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     """An in-process `vllm.LLM` for evaluation (the CPU settings of training's engine)."""
-    import torch
 
     from m2po_cli.device import resolve_dtype
     from m2po_cli.rollout.engine import build_llm

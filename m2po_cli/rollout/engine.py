@@ -41,6 +41,7 @@ class Completion:
 
 class RolloutEngine(Protocol):
     dtype: torch.dtype  # pushed weights arrive in this dtype
+    free_at_wake: dict[str, int]  # GPU: device bytes free right after the last wake, by vLLM tag
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
         """Sample `n` completions for each tokenized prompt; the same seed, weights and prompts
@@ -66,6 +67,11 @@ def release_cached_memory() -> None:
     wake into (its weights and KV cache are allocated outside that cache). Nothing on the CPU."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def device_free_bytes() -> int:
+    """Bytes free on this rank's GPU (every process's use counted, as the next allocation sees it)."""
+    return torch.cuda.mem_get_info()[0]
 
 
 def _cpu_env() -> None:
@@ -146,6 +152,7 @@ class VLLMEngine:
         self.version = 0
         self.sleep_level = cfg.sleep_level if torch.cuda.is_available() else 0
         self.asleep = False
+        self.free_at_wake: dict[str, int] = {}  # device bytes free right after the last wake of each tag
         if cfg.sleep_level and not self.sleep_level and log is not None:
             log("rollout.sleep_level: vLLM has no sleep mode on CPU; the engine stays awake while training")
         self.llm = build_llm(
@@ -197,10 +204,12 @@ class VLLMEngine:
         if self.asleep:
             release_cached_memory()
             self.llm.wake_up(tags=["weights"])
+            self.free_at_wake["weights"] = device_free_bytes()
         stamped = self.llm.collective_rpc("m2po_push", kwargs={"weights": weights, "version": version})
         if self.asleep:
             release_cached_memory()  # the push's gathered parameters (up to 3.7 GB at 8B)
             self.llm.wake_up(tags=["kv_cache"])
+            self.free_at_wake["kv_cache"] = device_free_bytes()
             self.asleep = False
         # Prompts share prefixes across steps: cached KV from the old weights must not be reused.
         self.llm.reset_prefix_cache()

@@ -28,7 +28,7 @@ from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.train.fifo import StalenessQueue
-from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog
 from m2po_cli.train.updates import rows_per_update
 
@@ -101,7 +101,17 @@ class ColocatedSource:
         self.queue.save(folder, self.learner.rank, self.learner.world)
 
     def take_metrics(self) -> dict[str, float]:
-        return {}
+        """GPU: the device memory free right after this step's wakes (`mem/free_after_wake_*_gb`,
+        the least over ranks)."""
+        free = self.engine.free_at_wake
+        if not free:
+            return {}
+        keys = sorted(free)
+        least = all_reduce(
+            torch.tensor([float(free[k]) for k in keys], dtype=torch.float64), dist.ReduceOp.MIN
+        )
+        free.clear()
+        return {f"mem/free_after_wake_{k}_gb": float(v) / 1e9 for k, v in zip(keys, least, strict=True)}
 
     def close(self) -> None:
         self._stack.close()
@@ -132,7 +142,7 @@ def rollout(
     version when they are the behaviour logprobs or when that step is recorded."""
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
     batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
-    batch = distribute(batch, owners(batch.row_B, rows_per_update(recipe), learner.world))
+    batch = distribute(batch, rows_per_update(recipe))
     recorded = recorder.due(index + recipe.queue_batches)
     score_at_behaviour_version(batch, learner, recipe.algorithm.behaviour_logprobs == "learner" or recorded)
     return batch

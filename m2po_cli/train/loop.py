@@ -134,9 +134,11 @@ def resume(
 
 
 def checkpoint_due(recipe: Recipe, step: int) -> bool:
-    """Whether the loop saves a checkpoint after `step`: every `checkpoint.every` steps, and the last."""
+    """Whether the loop saves a checkpoint after `step`: every `checkpoint.every` steps, and after
+    the last one unless `checkpoint.final` is off."""
     every = recipe.checkpoint.every
-    return bool(every and (step + 1) % every == 0) or step + 1 == recipe.run.steps
+    last = step + 1 == recipe.run.steps
+    return bool(every and (step + 1) % every == 0) or (last and recipe.checkpoint.final)
 
 
 def step_times(t0: float, t1: float, metrics: dict[str, float]) -> dict[str, float]:

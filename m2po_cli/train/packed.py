@@ -11,12 +11,13 @@ kept (the grader has read them on the rank that generated the row).
 
 Rows are packed once, on the rank that generated them (`pack_groups`), with their GRPO advantages
 (a group's rows are generated together, so the rank has the whole group). `distribute` then sends
-each row to the rank that trains it (`owners`), with a handful of all-to-all collectives of compact
-tensors, so every rank holds only its own rows.
+each row to the rank that trains it (`owners`: balanced by tokens), with a handful of all-to-all
+collectives of compact tensors, so every rank holds only its own rows.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -214,24 +215,34 @@ def pack_groups(
     )
 
 
-def owners(row_B: Tensor, rows_per_update: int, world: int) -> Tensor:
-    """The rank that trains each row: each update's rows split into `world` contiguous parts,
-    the first ones one row longer when they do not divide evenly (`torch.tensor_split`)."""
-    within_B = row_B % rows_per_update
-    size, extra = divmod(rows_per_update, world)
-    boundary = extra * (size + 1)
-    long_part_B = within_B // (size + 1)
-    short_part_B = extra + (within_B - boundary) // max(size, 1)
-    return torch.where(within_B < boundary, long_part_B, short_part_B)
+def owners(row_B: Tensor, lengths_B: Tensor, rows_per_update: int, world: int) -> Tensor:
+    """The rank that trains each row, balanced by tokens: each update's rows are dealt longest first
+    (equal lengths by row number) to the rank with the fewest tokens so far (then the fewest rows,
+    then the lowest rank). Any two ranks' tokens in an update then differ by at most one row's
+    length; contiguous parts leave the slowest rank 1.1x the mean on i.i.d. long-tailed lengths, and
+    more where a prompt's samples are alike. The deal depends on the rows alone, not on their order
+    or on which rank holds them."""
+    owner_B = torch.empty_like(row_B)
+    update_B = row_B // rows_per_update
+    rows, lengths = row_B.tolist(), lengths_B.tolist()
+    for u in update_B.unique().tolist():
+        index = (update_B == u).nonzero().squeeze(1).tolist()
+        loads = [(0, 0, rank) for rank in range(world)]  # (tokens, rows, rank): a min-heap
+        for i in sorted(index, key=lambda i: (-lengths[i], rows[i])):
+            tokens, count, rank = heapq.heappop(loads)
+            owner_B[i] = rank
+            heapq.heappush(loads, (tokens + lengths[i], count + 1, rank))
+    return owner_B
 
 
 def distribute(
-    pack: PackedRollouts, owner_B: Tensor, group: dist.ProcessGroup | None = None
+    pack: PackedRollouts, rows_per_update: int, group: dist.ProcessGroup | None = None
 ) -> PackedRollouts:
-    """Send each row to its owner rank; return the rows this rank owns, in `row_B` order.
+    """Send each row to the rank that trains it (`owners`); return the rows this rank owns, in
+    `row_B` order.
 
-    A collective: every rank passes its own pack (empty if it generated nothing) and `owner_B` for
-    its rows. Six all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta`
+    A collective: every rank passes its own pack (empty if it generated nothing). Every rank's row
+    numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Six all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta`
     stays with the rank that holds it. Tensors travel on the GPU when there is one (`transfer_device`).
     Rows are distributed before the learner scores them, so `learner_R` does not travel.
     """
@@ -240,6 +251,10 @@ def distribute(
     if world == 1:
         return pack
     device = transfer_device()
+    row_N = all_gather_rows(pack.row_B, group)
+    owner_N = owners(row_N, all_gather_rows(pack.lengths_B, group), rows_per_update, world)
+    by_row_N = torch.argsort(row_N)
+    owner_B = owner_N[by_row_N[torch.searchsorted(row_N[by_row_N], pack.row_B)]]
     order_B = torch.sort(owner_B * (pack.row_B.max() + 1 if pack.num_rows else 1) + pack.row_B).indices
     send = pack.take(order_B)
     rows_to = torch.bincount(owner_B, minlength=world)

@@ -30,7 +30,7 @@ from m2po_cli.rollout.producer import Finished, Group, RolloutProducer
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
 from m2po_cli.rollout.worker import model_signature
-from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 from m2po_cli.train.updates import rows_per_update
 
@@ -118,7 +118,7 @@ class SeparateSource:
                 [g.rows for g in groups], torch.arange(len(groups) * self.recipe.rollout.n)
             )
             _record_trained(self.run_dir, step, self.learner.version, groups)
-        return distribute(batch, owners(batch.row_B, rows_per_update(self.recipe), self.learner.world))
+        return distribute(batch, rows_per_update(self.recipe))
 
     def after_update(self, learner: Learner) -> None:
         self.transport.after_update(learner)

@@ -1,0 +1,41 @@
+"""The 8B colocated recipe's device-memory budget (bench/memory_budget.py, from the code's sizes):
+at least 5 GB free after each wake and during the push on an 80 GB GPU, and the check can fail."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "memory_budget.py"
+
+
+def budget(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+def free_gb(output: str, phase: str) -> tuple[float, float]:
+    """(free, free without releasing cached blocks) of one phase's row."""
+    row = next(line for line in output.splitlines() if line.startswith(f"| {phase} |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return float(re.match(r"~([\d.]+) GB", cells[3])[1]), float(re.match(r"~([\d.]+) GB", cells[4])[1])
+
+
+def test_the_8b_recipe_wakes_with_5_gb_free_on_an_80_gb_gpu():
+    done = budget()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "8.19 B parameters, 8 ranks, 80 GB GPU, micro-batch 16,384 tokens" in done.stdout
+    for phase in ("wake: weights", "push (largest tensor in flight)", "wake: KV cache"):
+        free, unreleased = free_gb(done.stdout, phase)
+        assert free >= 5.0, (phase, free)
+        assert unreleased < free, phase  # the allocator's cache would take room from the engine
+    assert "131 GB for 8 ranks; level 2: none" in done.stdout
+
+
+def test_the_budget_check_fails_below_its_margin_or_without_a_kv_cache():
+    done = budget("--margin-gb", "40")
+    assert done.returncode == 1 and "(FAILED: margin 40 GB)" in done.stdout
+    done = budget("--gpu-gb", "40")  # half of 40 GB does not hold 16.4 GB of weights and the rest
+    assert done.returncode == 1 and "leaves no KV cache: FAILED" in done.stdout
