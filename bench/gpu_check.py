@@ -3,7 +3,8 @@
 On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shapes but 4 layers
 (hidden 4,096, MLP 12,288, 32/8 heads, vocabulary 151,936, untied: 2.0 B parameters) and runs:
 1. `m2po train recipes/qwen3-8b-s256.toml` on it for 3 steps of one M2PO update each (staleness 1,
-   the synthetic task, 32 prompts x 8 samples of up to 512 tokens): the engine sleeps (level 2)
+   the synthetic task, 32 prompts x 8 samples of up to 512 tokens, a reward that varies within a
+   group whatever the model says: `check_reward.py`): the engine sleeps (level 2)
    while the learner trains and wakes for every push. The run's own metrics give the learner's
    tokens/s and MFU, the weight-sync seconds against the bytes pushed, the engine-vs-learner
    logprob gap right after each push (every row is scored by the learner at the version that
@@ -12,7 +13,7 @@ On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shap
 3. with 2 or more GPUs: the same run under `torchrun --nproc-per-node 2`, and the separate-mode
    NCCL weight-transport test (`tests/test_transport.py`).
 It prints a table and writes it to docs/performance.md (`--write-doc`, on by default on a GPU).
-Without a GPU the same steps run at tiny size (the quickstart's model), and what needs a GPU (MFU,
+Without a GPU the same steps run at tiny size (a Qwen3 of 0.14 M parameters), and what needs a GPU (MFU,
 sleep mode, device memory, CUDA graphs, NCCL) is listed as not applicable. Exits 1 if a check
 fails: the run stops, a loss is not finite or never changes, the mean logprob gap after a push is
 over 0.05 (GPU, bf16) or 1e-4 (CPU, fp32), or under 5 GB is free after a wake.
@@ -71,6 +72,10 @@ class Check:
         return "\n".join(lines) + "\n"
 
 
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
 def sizes() -> dict:
     """The run's sizes on this machine (GPU: the 8B shapes with 4 layers; CPU: tiny)."""
     if ON_GPU:
@@ -98,6 +103,7 @@ def train_overrides(model_dir: Path, out: Path, size: dict) -> list[str]:
         "logging.wandb=false",
         'logging.console="plain"',
         "inspect.every=0",
+        'reward.function="check_reward:text_parity"',  # random weights solve nothing (check_reward.py)
         *cpu,
     ]
 
@@ -114,7 +120,7 @@ def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}"},
     )
     seconds = time.perf_counter() - t0
     tail = (done.stdout + done.stderr)[-3000:]
@@ -303,7 +309,7 @@ def main() -> int:
         check.row(
             "model",
             f"Qwen3, hidden {shape.hidden_size}, {shape.num_layers} layers, vocabulary {shape.vocab_size:,}: "
-            f"{shape.num_params() / 1e9:.2f} B parameters, built in {time.perf_counter() - t0:.0f} s",
+            f"{count(shape.num_params())} parameters, built in {time.perf_counter() - t0:.0f} s",
         )
         steps, seconds, tail = run_train(model_dir, out / "one", size, nproc=1)
         check.require(bool(steps), f"m2po train did not finish: {tail[-600:]}")

@@ -42,7 +42,8 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         for note in notes:
             click.echo(note, err=True)
         # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
-        problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data)
+        columns = bool(resolved.reward.function)  # a reward function reads the rows' other fields
+        problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data, columns)
     except (ConfigError, DataError) as e:
         _fail(str(e))
     if dry_run:

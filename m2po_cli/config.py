@@ -228,6 +228,28 @@ class RolloutConfig(Table):
         return self
 
 
+class RewardConfig(Table):
+    function: str = field(
+        "",
+        "A Python reward, `package.module:name`, called once per group as name(prompt, completions, "
+        "answer, **columns): the problem text, the n response texts, the gold answer and the row's "
+        "other dataset fields; it returns one number per completion. It runs in the grader's worker "
+        "processes within timeout_s (past it the group scores 0). Empty: the built-in math grader "
+        "(what `m2po eval` always scores with).",
+    )
+    timeout_s: float = field(
+        5.0,
+        "Seconds one grading call may take before it scores 0: a response (math grader) or a group (function).",
+        gt=0,
+    )
+
+    @model_validator(mode="after")
+    def _check_function(self) -> RewardConfig:
+        if self.function and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.function):
+            raise ValueError(f"function: {self.function!r} is not `package.module:name`")
+        return self
+
+
 class TrainConfig(Table):
     mini_batch_prompts: int = field(
         0, "Prompts per optimizer update; 0 means the whole rollout batch (one update per step).", ge=0
@@ -320,6 +342,7 @@ class Recipe(Table):
     data: DataConfig = field(..., "Prompt set.")
     rollout: RolloutConfig = field(RolloutConfig(), "Rollout engine.")
     algorithm: AlgorithmConfig = field(AlgorithmConfig(), "Advantage estimation.")
+    reward: RewardConfig = field(RewardConfig(), "What scores a response: the math grader or a function.")
     loss: LossConfig = field(M2POLoss(), "Policy loss; `type` selects the loss.")
     train: TrainConfig = field(TrainConfig(), "Batching of the learner.")
     optim: OptimConfig = field(OptimConfig(), "Optimizer and schedule.")

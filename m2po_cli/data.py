@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +27,13 @@ class DataError(Exception):
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem: `index` is its position in the loaded set, a stable id within that set."""
+    """One problem: `index` is its position in the loaded set, a stable id within that set;
+    `columns` its record's other fields (kept for `reward.function` only)."""
 
     index: int
     problem: str
     answer: str
+    columns: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -45,18 +47,19 @@ class Prompt:
 # --- loading -------------------------------------------------------------------------------------
 
 
-def load_problems(cfg: DataConfig) -> list[Problem]:
+def load_problems(cfg: DataConfig, columns: bool = False) -> list[Problem]:
     """The problem set named by `cfg.source`, in file order. Raises DataError.
 
     `synthetic:arithmetic` is generated from `cfg.synthetic` and `cfg.shuffle_seed`, so the recipe
-    alone fixes the set (not `run.seed`).
+    alone fixes the set (not `run.seed`). `columns`: keep each record's other fields (a reward
+    function reads them); otherwise only the problem and the answer are kept.
     """
     if cfg.source.startswith("synthetic:"):
         return synthetic_arithmetic(cfg.synthetic, seed=cfg.shuffle_seed)
-    records = _read_records(cfg)
+    records = _read_records(cfg, columns)
     if not records:
         raise DataError(f"{cfg.source}: no records")
-    return [_to_problem(i, rec, cfg) for i, rec in enumerate(records)]
+    return [_to_problem(i, rec, cfg, columns) for i, rec in enumerate(records)]
 
 
 def is_hub(cfg: DataConfig) -> bool:
@@ -76,7 +79,7 @@ def synthetic_arithmetic(cfg: SyntheticConfig, seed: int) -> list[Problem]:
     return problems
 
 
-def _read_records(cfg: DataConfig) -> list[Any]:
+def _read_records(cfg: DataConfig, columns: bool) -> list[Any]:
     source = cfg.source
     path = Path(source).expanduser()
     if source.endswith(".jsonl"):
@@ -97,7 +100,7 @@ def _read_records(cfg: DataConfig) -> list[Any]:
             return pq.read_table(path).to_pylist()
         except pyarrow.ArrowException as e:
             raise DataError(f"{source}: not a readable parquet file: {str(e).splitlines()[0]}") from None
-    return _read_hub(cfg)
+    return _read_hub(cfg, columns)
 
 
 def _text(path: Path) -> str:
@@ -119,7 +122,7 @@ def _read_jsonl(path: Path) -> list[Any]:
     return records
 
 
-def _read_hub(cfg: DataConfig) -> list[Any]:
+def _read_hub(cfg: DataConfig, columns: bool) -> list[Any]:
     # Imported here: `datasets` takes seconds to import and only hub sources need it.
     import datasets
 
@@ -129,11 +132,13 @@ def _read_hub(cfg: DataConfig) -> list[Any]:
             raise DataError(
                 f"{cfg.source} (split {cfg.split}): no field {key!r}; fields: {', '.join(ds.column_names)}"
             )
+    if columns:
+        return ds.to_list()
     # Only the two columns: hub sets often carry long solutions we would copy for nothing.
     return ds.select_columns([cfg.prompt_key, cfg.answer_key]).to_list()
 
 
-def _to_problem(i: int, record: Any, cfg: DataConfig) -> Problem:
+def _to_problem(i: int, record: Any, cfg: DataConfig, columns: bool = False) -> Problem:
     where = f"{cfg.source}: record {i}"
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected an object, got {type(record).__name__}")
@@ -148,7 +153,8 @@ def _to_problem(i: int, record: Any, cfg: DataConfig) -> Problem:
         raise DataError(
             f"{where}: field {cfg.answer_key!r} must be a string or a number, got {type(answer).__name__}"
         )
-    return Problem(i, problem, str(answer))
+    extra = {k: v for k, v in record.items() if k not in (cfg.prompt_key, cfg.answer_key)} if columns else {}
+    return Problem(i, problem, str(answer), extra)
 
 
 # --- prompts -------------------------------------------------------------------------------------

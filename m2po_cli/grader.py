@@ -17,21 +17,33 @@ Time limits. sympy can take minutes on adversarial answers (`9^{9^{9^{9}}}`, `10
 - hard: the parent kills a worker that has not reported a sample within `2 * timeout_s` (a hang in
   C code, where Python signal handlers never run) and starts a fresh one.
 Either way the sample scores 0.0 and the rest of its chunk is graded normally.
+
+A recipe's own reward (`reward.function = "package.module:name"`) runs in the same pool under the
+same two limits, one group per call (`score_groups`): name(prompt, completions, answer, **columns)
+returns one number per completion. A group that runs out of time scores 0.0; a function that raises
+or returns anything but one finite number per completion stops the run (`RewardError`, one line).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import math
 import multiprocessing as mp
+import numbers
 import os
 import re
 import signal
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from types import FrameType
+from typing import Any
+
+from m2po_cli.data import Problem
+from m2po_cli.errors import RunError
 
 # One token per backslash escape, brace or box opener, so a single left-to-right pass finds every
 # balanced box. `\{` and `\}` are literal braces in TeX, not groups: `\left\{ ... \right.` inside a
@@ -53,8 +65,65 @@ def grader_workers(grading_ranks: int) -> int:
     return max(1, min(4, (os.cpu_count() or 1) // grading_ranks))
 
 
+def recipe_grader(recipe, num_workers: int) -> Grader:
+    """The grader a training run scores with: `reward.function` or the math grader, its time limit."""
+    return Grader(num_workers=num_workers, timeout_s=recipe.reward.timeout_s, reward=recipe.reward.function)
+
+
 class GraderError(Exception):
     """The grading pool cannot run at all (a worker died before it was ready)."""
+
+
+class RewardError(RunError):
+    """`reward.function` cannot be loaded, raised, or returned something other than the scores."""
+
+
+def load_reward(spec: str) -> Callable[..., Any]:
+    """The callable `package.module:name` names (`reward.function`); a RewardError in one line."""
+    module, _, name = spec.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except Exception as e:  # an import runs arbitrary code: any failure is the function's
+        raise RewardError(
+            f"reward.function: cannot load {spec!r}: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+    if not callable(function):
+        raise RewardError(f"reward.function: {spec!r} is a {type(function).__name__}, not a callable")
+    return function
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _checked_scores(values: Any, n: int) -> list[float] | str:
+    """`values` as n floats, or what is wrong with them."""
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        return f"returned a {type(values).__name__}, not one number per completion"
+    if len(values) != n:
+        return f"returned {len(values)} values for {n} completions"
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            return f"returned {v!r}, not a finite number"
+    return [float(v) for v in values]
+
+
+def _reward_within(
+    function: Callable[..., Any], group: tuple, timeout_s: float
+) -> tuple[list[float] | str, bool]:
+    """(scores or what went wrong, timed_out) of one group. Needs `_on_alarm` for SIGALRM."""
+    prompt, completions, answer, columns = group
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            values = function(prompt, list(completions), answer, **columns)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Deadline:
+        return [0.0] * len(completions), True
+    except Exception as e:
+        return f"raised {type(e).__name__}: {_first_line(e)}", False
+    return _checked_scores(values, len(completions)), False
 
 
 def extract_boxed(text: str) -> str | None:
@@ -149,11 +218,17 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_drop_timeout_warning)
 
 
-def worker_main(conn: Connection) -> None:
-    """Worker loop: receive `(pairs, timeout_s)`, send `(score, timed_out)` per pair, in order."""
+def worker_main(conn: Connection, reward: str = "") -> None:
+    """Worker loop: receive `(items, timeout_s)`, send `(score, timed_out)` per item, in order. An
+    item is a (prediction, gold) pair for the math grader, a group for `reward`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
-    answers_match("1", "1")  # import sympy and the LaTeX parser before reporting ready
+    if reward:
+        function = load_reward(reward)
+        task = lambda group, timeout_s: _reward_within(function, group, timeout_s)  # noqa: E731
+    else:
+        answers_match("1", "1")  # import sympy and the LaTeX parser before reporting ready
+        task = lambda pair, timeout_s: _grade_within(*pair, timeout_s)  # noqa: E731
     try:
         conn.send("ready")
     except BrokenPipeError:  # the pool was closed while this worker was still starting
@@ -165,8 +240,8 @@ def worker_main(conn: Connection) -> None:
             # The parent closed the pipe or died; a reset when it closed with our "ready" unread
             # (a pool that never got a sample to grade).
             return
-        for pred, gold in pairs:
-            conn.send(_grade_within(pred, gold, timeout_s))
+        for item in pairs:
+            conn.send(task(item, timeout_s))
 
 
 # --- the pool ------------------------------------------------------------------------------------
@@ -196,10 +271,12 @@ class Grader:
     time or took their worker down with them; `num_restarts`, workers replaced.
     """
 
-    def __init__(self, num_workers: int = 4, timeout_s: float = 5.0, chunk_size: int = 32):
+    def __init__(self, num_workers: int = 4, timeout_s: float = 5.0, chunk_size: int = 32, reward: str = ""):
         if num_workers < 0 or timeout_s <= 0 or chunk_size < 1:
             raise ValueError(f"Grader: bad arguments {num_workers=}, {timeout_s=}, {chunk_size=}")
         self.num_workers, self.timeout_s, self.chunk_size = num_workers, timeout_s, chunk_size
+        self.reward = reward  # `reward.function`, or "" for the math grader
+        self._function = load_reward(reward) if reward else None  # fails here, before any worker
         # Twice the soft limit: a worker that is merely slow to report its own timeout is not killed.
         self._kill_after_s = 2 * timeout_s
         self.num_timeouts = self.num_restarts = 0
@@ -246,6 +323,47 @@ class Grader:
             raise
         return scores
 
+    def score_groups(self, problems: Sequence[Problem], groups: Sequence[Sequence[str]]) -> list[list[float]]:
+        """The reward of every response of each problem's group: `reward.function`'s when the
+        grader has one, else the math grader's against the problem's answer."""
+        if len(problems) != len(groups):
+            raise ValueError(f"score_groups: {len(problems)} problems but {len(groups)} groups")
+        if self._function is None:
+            flat = self.grade_many(
+                [t for g in groups for t in g],
+                [p.answer for p, g in zip(problems, groups, strict=True) for _ in g],
+            )
+            scores = iter(flat)
+            return [[next(scores) for _ in g] for g in groups]
+        if self._closed:
+            raise GraderError("score_groups: the grader is closed")
+        items = [(p.problem, list(g), p.answer, p.columns) for p, g in zip(problems, groups, strict=True)]
+        results: list[Any] = [[0.0] * len(g) for g in groups]  # a group that times out keeps these
+        if self.num_workers == 0:
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            try:
+                for i, item in enumerate(items):
+                    results[i], timed_out = _reward_within(self._function, item, self.timeout_s)
+                    self.num_timeouts += timed_out
+            finally:
+                signal.signal(signal.SIGALRM, previous)
+        else:
+            per_chunk = max(1, self.chunk_size // 8)
+            chunks = deque(
+                deque(range(i, min(i + per_chunk, len(items)))) for i in range(0, len(items), per_chunk)
+            )
+            try:
+                self._run(chunks, items, results)
+            except BaseException:
+                self.close()
+                raise
+        for problem, result in zip(problems, results, strict=True):
+            if isinstance(result, str):
+                raise RewardError(
+                    f"reward.function {self.reward}: {result} (problem {problem.index}: {problem.problem[:60]!r})"
+                )
+        return results
+
     def _grade_in_process(
         self, todo: list[int], preds: list[str | None], golds: Sequence[str], scores: list[float]
     ) -> None:
@@ -257,10 +375,8 @@ class Grader:
         finally:
             signal.signal(signal.SIGALRM, previous)
 
-    def _run(
-        self, chunks: deque[deque[int]], pairs: list[tuple[str | None, str]], scores: list[float]
-    ) -> None:
-        """Feed chunks to ready workers until every sample has a score."""
+    def _run(self, chunks: deque[deque[int]], pairs: list[Any], scores: list[Any]) -> None:
+        """Feed chunks to ready workers until every item (sample or group) has a score."""
         while chunks or any(w.chunk for w in self._workers):
             now = time.monotonic()
             for w in self._workers:
@@ -318,7 +434,9 @@ class Grader:
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=worker_main, args=(child_conn,), daemon=True, name="m2po-grader")
+        process = self._ctx.Process(
+            target=worker_main, args=(child_conn, self.reward), daemon=True, name="m2po-grader"
+        )
         process.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         return _Worker(process, parent_conn, deadline=time.monotonic() + _WORKER_START_S)

@@ -23,7 +23,7 @@ from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce
 from m2po_cli.errors import RunError
-from m2po_cli.grader import Grader, grader_workers
+from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
@@ -65,7 +65,8 @@ class ColocatedSource:
             self.grader = None
             if learner.rank % recipe.rollout.tensor_parallel_size == 0:  # grades the rows its engine samples
                 local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // recipe.rollout.tensor_parallel_size
-                self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(max(1, local))))
+                workers = grader_workers(max(1, local))
+                self.grader = self._stack.enter_context(recipe_grader(recipe, workers))
             self.engine = build_engine(model_dir, recipe, learner.world, log)
             self._stack.callback(self.engine.close)
             if restored is not None:
@@ -194,9 +195,8 @@ def generate_share(
     groups = engine.generate(tokens, sampling_seed(recipe.run.seed, index, engine_group)) if mine else []
     t_gen = time.perf_counter() - t0
     if mine and learner.rank % tp == 0:
-        golds = [p.problem.answer for p in mine for _ in range(n)]
-        rewards = grader.grade_many([c.text for group in groups for c in group], golds)
-        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(mine), n)
+        rewards = grader.score_groups([p.problem for p in mine], [[c.text for c in g] for g in groups])
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32)
         a = recipe.algorithm
         batch = pack_groups(
             learner.version, share.start * n, tokens, groups, rewards_PG, a.normalize_std, a.std_eps

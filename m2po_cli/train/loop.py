@@ -22,6 +22,7 @@ from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.errors import RunError
+from m2po_cli.grader import load_reward
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
@@ -76,7 +77,11 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     # Cheap checks before anything expensive starts: the model's files, the launch, the prompt set.
     check_model_dir(model_dir)
     source_type.check(recipe, int(os.environ.get("WORLD_SIZE", 1)))
-    problems = load_problems(recipe.data) if problems is None else problems
+    if recipe.reward.function:
+        load_reward(recipe.reward.function)
+    problems = (
+        load_problems(recipe.data, columns=bool(recipe.reward.function)) if problems is None else problems
+    )
     prompts = PromptBatches(problems, load_tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step)
     with ExitStack() as stack:  # closes what set-up started, whichever step fails
         learner = Learner(model_dir, recipe)

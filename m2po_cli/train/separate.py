@@ -23,7 +23,7 @@ from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype, torch_dtype
-from m2po_cli.grader import Grader, grader_workers
+from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.producer import Finished, Group, RolloutProducer
@@ -88,7 +88,9 @@ class SeparateSource:
         servers = start_servers(recipe, model_dir, self.run_dir, self.learner.world, log.message)
         for server in servers:
             self._stack.callback(server.close)
-        self.grader = self._stack.enter_context(Grader(num_workers=grader_workers(1)))  # rank 0 grades alone
+        self.grader = self._stack.enter_context(
+            recipe_grader(recipe, grader_workers(1))
+        )  # rank 0 grades alone
         self.producer = RolloutProducer(
             servers,
             prompts,
@@ -196,8 +198,8 @@ def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[Pac
     """Grade finished groups and pack each into its `n` rows (the producer's settling thread): rows
     keep their group's submission version and each token's own."""
     n, a = recipe.rollout.n, recipe.algorithm
-    golds = [ticket[1].problem.answer for ticket, _, _ in finished for _ in range(n)]
-    rewards = grader.grade_many([c.text for _, _, group in finished for c in group], golds)
+    problems = [ticket[1].problem for ticket, _, _ in finished]
+    rewards = grader.score_groups(problems, [[c.text for c in group] for _, _, group in finished])
     rewards_GN = torch.tensor(rewards, dtype=torch.float32).view(len(finished), n)
     return [
         pack_groups(
