@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,14 +136,19 @@ def report_train(check: Check, steps: list[dict], seconds: float, size: dict, la
     check.require(len(steps) == 3, f"{label}: {len(steps)} of 3 steps logged")
     if len(steps) != 3:
         return
-    mean = lambda key: sum(s[key] for s in steps) / len(steps)  # noqa: E731
     losses = [s["loss/loss"] for s in steps]
-    check.row(f"{label}: wall time, start to end", f"{seconds:.0f} s (3 steps, {nproc} rank(s))")
+    check.row(
+        f"{label}: wall time, start to end",
+        f"{seconds:.0f} s (3 steps, {nproc} {'rank' if nproc == 1 else 'ranks'})",
+    )
     check.row(f"{label}: M2PO loss per update", ", ".join(f"{x:.4g}" for x in losses))
     check.require(all(math.isfinite(x) for x in losses), f"{label}: a loss is not finite")
     check.require(len(set(losses)) > 1, f"{label}: the loss never changed")
-    tokens_per_s = mean("perf/learner_tokens_per_s")
-    check.row(f"{label}: learner tokens/s (global pass, fwd+bwd, AdamW)", f"{tokens_per_s:,.0f}")
+    # Medians over the 3 steps: the first step's batch was sampled by the engine's first call.
+    tokens_per_s = statistics.median(s["perf/learner_tokens_per_s"] for s in steps)
+    check.row(
+        f"{label}: learner tokens/s (global pass, fwd+bwd, AdamW)", f"{tokens_per_s:,.0f} (median of 3)"
+    )
     peak = (
         next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
         if ON_GPU
@@ -154,16 +160,17 @@ def report_train(check: Check, steps: list[dict], seconds: float, size: dict, la
             f"{label}: learner MFU (6N FLOPs a token, bf16 dense peak)",
             f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s a GPU",
         )
-    generated = mean("rollout/generated_tokens")
+    generated = statistics.median(s["rollout/generated_tokens"] for s in steps)
+    rollout_rate = statistics.median(s["rollout/generated_tokens"] / s["time/generate"] for s in steps)
     check.row(
         f"{label}: rollout tokens/s in training",
-        f"{generated / mean('time/generate'):,.0f} ({generated:,.0f} tokens a step)",
+        f"{rollout_rate:,.0f} ({generated:,.0f} tokens a step; median of 3)",
     )
     pushed = shape.num_params() * (2 if size["dtype"] == "bfloat16" else 4)
     sync = [s["time/weight_sync"] for s in steps]
     check.row(
         f"{label}: weight sync (wake, push, wake)",
-        f"{min(sync):.2f}-{max(sync):.2f} s for {pushed / 1e9:.2f} GB = {pushed / min(sync) / 1e9:.1f} GB/s at best",
+        f"{min(sync):.2f}-{max(sync):.2f} s for {pushed / 1e6:,.1f} MB = {pushed / min(sync) / 1e9:.2f} GB/s at best",
     )
     gap_mean, gap_max = (
         max(s["rollout/logprob_mismatch_mean"] for s in steps),
@@ -171,7 +178,7 @@ def report_train(check: Check, steps: list[dict], seconds: float, size: dict, la
     )
     limit = 0.05 if ON_GPU else 1e-4
     check.row(
-        f"{label}: engine vs learner logprob after a push (mean, max |diff|)",
+        f"{label}: engine vs learner logprob after a push (mean, max abs diff)",
         f"{gap_mean:.2e}, {gap_max:.2e} (mean limit {limit:g})",
     )
     check.require(gap_mean < limit, f"{label}: mean logprob gap {gap_mean:.2e} >= {limit:g}")
