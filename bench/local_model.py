@@ -33,7 +33,9 @@ class Qwen3Shape:
 # Qwen3-0.6B's published config (hidden 1024, 28 layers, 16/8 heads of 128, MLP 3072, 151,936 tokens).
 QWEN3_0_6B = Qwen3Shape(1024, 28, 16, 8, 128, 3072, 151_936)
 # Qwen3-8B's published config (hidden 4096, 36 layers, 32/8 heads of 128, MLP 12,288, untied head).
-QWEN3_8B = Qwen3Shape(4096, 36, 32, 8, 128, 12_288, 151_936, tie_word_embeddings=False, max_position_embeddings=40_960)
+QWEN3_8B = Qwen3Shape(
+    4096, 36, 32, 8, 128, 12_288, 151_936, tie_word_embeddings=False, max_position_embeddings=40_960
+)
 # Small enough to train a few steps on a CPU; big enough that a weight push moves ~100 MB.
 CPU_BENCH = Qwen3Shape(512, 8, 8, 4, 64, 2048, 16_384)
 # The size the CPU mode of the GPU check runs at.

@@ -19,6 +19,9 @@ class Batch:
     behaviour_logprobs_BL: torch.Tensor  # float32, 0 off the mask
     advantages_B: torch.Tensor  # float32
     lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
+    # int64, each row's number in its rollout batch: an order every rank shares (M2PO's ties); None
+    # for rows held whole by one process, whose order here is the order
+    rows_B: torch.Tensor | None = None
 
     def take(self, index_K: torch.Tensor) -> Batch:
         """Rows at `index_K`, trimmed to their own longest row."""
@@ -29,6 +32,7 @@ class Batch:
             self.behaviour_logprobs_BL[index_K, :length],
             self.advantages_B[index_K],
             self.lengths_B[index_K],
+            None if self.rows_B is None else self.rows_B[index_K],
         )
 
     @property

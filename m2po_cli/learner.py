@@ -205,7 +205,7 @@ class Learner:
             current_BL, _ = self.score(batch)
             log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
             aux_BL, global_metrics = loss_fn.prepare(
-                log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD
+                log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD, rows_B=batch.rows_B
             )
             metrics.update(global_metrics)
             if loss_fn.keep_mask_aux:  # what `correct_after` would have cost, for `auto`
@@ -242,7 +242,7 @@ class Learner:
             loss.backward()
         log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
         keep_BL, metrics = loss_fn.prepare(
-            log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD
+            log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD, rows_B=batch.rows_B
         )
         metrics["m2po/correction_frac"] = self._correct(
             batch, log_ratio_BL, keep_BL, provisional_BL, num_tokens

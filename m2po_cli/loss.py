@@ -29,7 +29,14 @@ from torch import Tensor
 
 from m2po_cli.distributed import gather
 from m2po_cli.loss_config import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
-from m2po_cli.second_moment import effective_cap, m2po_cut, max_rest_z, released_cap, trust_region_m2
+from m2po_cli.second_moment import (
+    effective_cap,
+    m2po_cut,
+    max_rest_z,
+    released_cap,
+    tied_leaving,
+    trust_region_m2,
+)
 
 Metrics = dict[str, Tensor]
 QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
@@ -61,7 +68,10 @@ class PolicyLoss(Protocol):
         advantages_BT: Tensor,
         mask_BT: Tensor,
         group: dist.ProcessGroup | None = None,
-    ) -> tuple[Tensor | None, Metrics]: ...
+        rows_B: Tensor | None = None,
+    ) -> tuple[Tensor | None, Metrics]:
+        """`rows_B`: the rows' numbers in the optimizer batch (an order shared by every rank, for
+        M2PO's ties); None: their order here, for a batch held whole by one process."""
 
     def __call__(
         self,
@@ -185,6 +195,7 @@ class _NoGlobalPass:
         advantages_BT: Tensor,
         mask_BT: Tensor,
         group: dist.ProcessGroup | None = None,
+        rows_B: Tensor | None = None,
     ) -> tuple[Tensor | None, Metrics]:
         return None, {}
 
@@ -244,12 +255,20 @@ class M2PO:
     needs_global_pass = True
     keep_mask_aux = True
 
-    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None):
-        """keep_BT (bool: valid and not masked, this rank's rows) and global metrics."""
+    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None, rows_B=None):
+        """keep_BT (bool: valid and not masked, this rank's rows) and global metrics. Of the tokens
+        equal to the threshold, those that leave are the earliest by (`rows_B`, position)."""
+        if group is not None and dist.get_world_size(group) > 1 and rows_B is None:
+            raise ValueError("m2po: prepare over several ranks needs the rows' numbers in the batch (rows_B)")
         valid_BT = mask_BT.bool()
         z_BT = toward_advantage(torch.where(valid_BT, log_ratio_BT.detach().float(), 0.0), advantages_BT)
         tr = trust_region_m2(z_BT, self.cfg.tau, group)
         threshold, num_masked, m2_before, m2_after = m2po_cut(tr, self.cfg.tau)
+        keep_BT = valid_BT & (z_BT <= threshold)
+        num_ties = int(num_masked - torch.count_nonzero(tr.top_N > threshold))
+        if num_ties:
+            rows_B = torch.arange(z_BT.shape[0]) if rows_B is None else rows_B
+            keep_BT &= ~tied_leaving(z_BT, threshold, num_ties, rows_B, group)
         metrics = {
             "m2po/m2_before": m2_before,
             "m2po/m2_after": m2_after,
@@ -257,7 +276,7 @@ class M2PO:
             "m2po/num_trust_region": tr.num,
             "m2po/threshold": threshold,
         }
-        return valid_BT & (z_BT <= threshold), metrics
+        return keep_BT, metrics
 
     def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
         if aux_BT is None:
@@ -290,7 +309,7 @@ class M2POCap:
     def needs_global_pass(self) -> bool:
         return self.cfg.scope == "global"
 
-    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None):
+    def prepare(self, log_ratio_BT, advantages_BT, mask_BT, group=None, rows_B=None):
         """Global scope: the cap broadcast to [B, T] and global metrics; micro-batch scope: nothing."""
         if self.cfg.scope == "micro_batch":
             return None, {}

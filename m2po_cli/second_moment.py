@@ -59,11 +59,10 @@ def trust_region_m2(z_BT: Tensor, tau: float, group: dist.ProcessGroup | None = 
 def search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The first position, in the descending order of the top values, where a rule may stop.
 
-    Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, left_P, m2_P,
-    between_P)` gets, for some positions, the M2 sum of the tokens left (the rest included), the M2
-    of the i-th value (the largest one left; `below` past the last top value) and whether values
-    i - 1 and i differ, and says where the rule may stop; it must hold from some position on, as
-    both rules' conditions do. The top values are binned by log z into NUM_BINS bins; the rule is
+    Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, left_P, m2_P)`
+    gets, for some positions, the M2 sum of the tokens left (the rest included) and the M2 of the
+    i-th value (the largest one left; `below` past the last top value), and says where the rule may
+    stop; it must hold from some position on, as both rules' conditions do. The top values are binned by log z into NUM_BINS bins; the rule is
     first tried at the bin boundaries (all at once), then inside the one bin where it starts to
     hold, whose values alone are sorted. No loop over tokens, and no sort of the whole batch. Sums
     run from the small values up, so nothing cancels.
@@ -85,17 +84,14 @@ def search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tens
     max_B = top_N.new_full((num_bins,), -math.inf).scatter_reduce(0, bin_N, top_N, "amax")
     # The largest z below boundary q: in the bins under q, else `below`.
     next_Q = torch.cat([below.reshape(1), max_B.cummax(0).values[:-1]]).maximum(below)
-    cut_Q = torch.ones(num_bins, dtype=torch.bool, device=top_N.device)
-    stop_Q = stop(position_Q.double(), left_Q, next_Q.double().square(), cut_Q)
+    stop_Q = stop(position_Q.double(), left_Q, next_Q.double().square())
     q = torch.where(stop_Q, torch.arange(num_bins, device=top_N.device), 0).max()  # the highest boundary
     # Inside bin q: its values sorted, then the largest value below it.
     z_K1 = torch.cat([torch.sort(top_N[bin_N == q], descending=True).values, next_Q[q].reshape(1)])
     m2_K1 = z_K1.double().square()
     left_K1 = left_Q[q] + torch.cat([m2_K1[:-1].flip(0).cumsum(0).flip(0), m2_K1.new_zeros(1)])
-    between_K1 = torch.ones_like(m2_K1, dtype=torch.bool)
-    between_K1[1:-1] = m2_K1[:-2] > m2_K1[1:-1]
     position_K1 = position_Q[q] - count_B[q] + torch.arange(z_K1.numel(), device=top_N.device)
-    stop_K1 = stop(position_K1.double(), left_K1, m2_K1, between_K1)
+    stop_K1 = stop(position_K1.double(), left_K1, m2_K1)
     stop_K1[-1] = True  # the boundary below bin q, where the rule holds
     j = torch.argmax(stop_K1.to(torch.uint8))  # the first position where it holds
     return position_K1[j], z_K1[j], left_K1[j], m2_K1[j]
@@ -104,33 +100,51 @@ def search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tens
 def m2po_cut(tr: TrustRegionM2, tau: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Algorithm 1 of the paper, vectorised: binned sums over the trust-region M2.
 
-    While the mean M2 over the trust-region tokens T exceeds tau, the largest M2 leaves T. After
-    the i largest left, the mean is (M2 sum left) / (|T| - i), so the loop stops at the first i
-    whose mean is <= tau (i = |T|, everything masked, if none is). Tokens with M2 <= tau are never
-    reached: the mean cannot exceed the largest value left.
-    Tie rule: tokens of equal M2 leave together. The paper takes "the token with the largest M2"
-    one at a time and leaves open which of equal ones goes first; leaving together makes the mask a
-    function of the values alone, so it cannot depend on how the batch is split or ordered (up to
-    the rounding of the float64 M2 sums, accumulated in an order that does: it could only matter for
-    a mean within ~1e-15 of tau). It masks more than one-at-a-time only when equal values straddle
-    the stopping point (M2 = [1, 1] and 98 tokens of 1e-4, tau = 0.015: one at a time masks one of
-    the 1s, we mask both); both stop with a mean <= tau. So i may only fall between distinct values.
+    While the mean M2 over the trust-region tokens T exceeds tau, the token with the largest M2
+    leaves T, one at a time. After the i largest left, the mean is (M2 sum left) / (|T| - i), so the
+    loop stops at the first i whose mean is <= tau (i = |T|, everything masked, if none is). Tokens
+    with M2 <= tau are never reached: the mean cannot exceed the largest value left.
+    Ties: i may fall inside a run of equal values (the 8 samples of a prompt share prefixes, and
+    identical prefixes give identical log-ratios). Then only some of the tokens equal to the
+    threshold leave: the `num_masked - (number of z > threshold)` earliest in the optimizer batch,
+    by row then position (`tied_leaving`), so the mask does not depend on the micro-batching or the
+    number of ranks (up to the rounding of the float64 M2 sums, accumulated in an order that does:
+    it could only matter for a mean within ~1e-15 of tau).
 
-    Returns (threshold, num_masked, m2_before, m2_after): a token is masked iff its z > threshold;
-    the mean M2 over T before and after masking (float64; 0 over an empty set).
+    Returns (threshold, num_masked, m2_before, m2_after): the z of the largest token kept (`below`,
+    the floor, when every top value leaves), so every token with z > threshold is masked and some
+    with z == threshold may be; the mean M2 over T before and after masking (float64; 0 over an
+    empty set).
     """
 
     def mean_left(position_P: Tensor, left_P: Tensor) -> Tensor:
         kept_P = tr.num - position_P
         return torch.where(kept_P > 0, left_P / kept_P.clamp(min=1), 0.0)
 
-    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
-        return between_P & (mean_left(position_P, left_P) <= tau)
+    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor) -> Tensor:
+        return mean_left(position_P, left_P) <= tau
 
     # Past the last top value, any z in [largest rest, floor] masks exactly the top values.
     below = tr.top_N.new_full((), tr.floor)
     position, threshold, left, _ = search(tr, stop, below)
     return threshold, position, tr.m2_mean, mean_left(position.double(), left)
+
+
+def tied_leaving(
+    z_BT: Tensor, threshold: Tensor, num_ties: int, rows_B: Tensor, group: dist.ProcessGroup | None
+) -> Tensor:
+    """Which of this rank's tokens with z == threshold leave (`m2po_cut`): the `num_ties` earliest of
+    all such tokens on every rank of `group`, ordered by the row's number in the optimizer batch
+    (`rows_B`, this rank's rows) then the position in the row. `[B, T]` bool. A collective: the keys
+    of the tied tokens alone are gathered (usually a handful; at most a few groups' shared
+    prefixes)."""
+    row_N, position_N = (z_BT == threshold).nonzero(as_tuple=True)
+    key_N = rows_B.to(row_N.device)[row_N] * 2**32 + position_N  # row, then position
+    last = torch.sort(gather(key_N, group)).values[num_ties - 1]
+    leaving_BT = torch.zeros_like(z_BT, dtype=torch.bool)
+    leave_N = key_N <= last
+    leaving_BT[row_N[leave_N], position_N[leave_N]] = True
+    return leaving_BT
 
 
 def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -151,7 +165,7 @@ def released_cap(tr: TrustRegionM2, tau: float, max_rest: Tensor) -> tuple[Tenso
     def capped_mean(position_P: Tensor, left_P: Tensor, m2_P: Tensor) -> Tensor:
         return (position_P * m2_P + left_P) / n  # the i largest capped at the value at i
 
-    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor, between_P: Tensor) -> Tensor:
+    def stop(position_P: Tensor, left_P: Tensor, m2_P: Tensor) -> Tensor:
         # Descending, the cap is the first value whose capped mean is below tau.
         return capped_mean(position_P, left_P, m2_P) < tau
 

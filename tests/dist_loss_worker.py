@@ -1,9 +1,11 @@
 """One rank of tests/test_loss_distributed.py; run with `torchrun --nproc-per-node 2` (gloo, CPU).
 
-Each rank holds an uneven slice of the rows of one optimizer batch, calls `prepare` with the
-process group, then one loss call + backward per micro-batch. Mask, summed loss, all-reduced
-gradient and metrics must equal those of this same process holding the whole batch alone. Writes
-`rank<r>.json` to the folder given as the only argument; exits 1 on any mismatch.
+Each rank holds some rows of one optimizer batch (an uneven slice, or every other row of a batch
+whose samples share prefixes, so tied M2 straddle the stopping point), calls `prepare` with the
+process group and the rows' numbers, then one loss call + backward per micro-batch. Mask, summed
+loss, all-reduced gradient and metrics must equal those of this same process holding the whole
+batch alone. Writes `rank<r>.json` to the folder given as the only argument; exits 1 on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -22,8 +24,20 @@ from m2po_cli.loss import build_loss
 from m2po_cli.loss_config import M2POCapLoss, M2POLoss
 
 ROWS, COLS = 13, 40
-RANK_ROWS = [(0, 4), (4, ROWS)]  # uneven on purpose
+RANK_ROWS = [torch.arange(0, 4), torch.arange(4, ROWS)]  # uneven on purpose
 RANK_MICRO_BATCHES = [[3, 1], [2, 2, 5]]
+# Tied: 4 prompts x 4 samples sharing prefixes; the ranks take every other row.
+TIED_RANK_ROWS = [torch.arange(0, 16, 2), torch.arange(1, 16, 2)]
+TIED_MICRO_BATCHES = [[3, 5], [1, 1, 6]]
+
+
+def tied_batch(seed: int = 5) -> tuple[torch.Tensor, ...]:
+    """As `tests/test_loss.py`'s `tied_batch`: a grid of 1/8, shared prefixes, A of both signs."""
+    from tests.test_loss import tied_batch as make
+
+    log_ratio, advantages, valid = make(seed, 4, 4, COLS)
+    behaviour = -3 * torch.rand(log_ratio.shape, generator=torch.Generator().manual_seed(seed))
+    return log_ratio, advantages, valid, behaviour
 
 
 def batch(seed: int = 11) -> tuple[torch.Tensor, ...]:
@@ -37,13 +51,13 @@ def batch(seed: int = 11) -> tuple[torch.Tensor, ...]:
     return log_ratio, advantages, valid, behaviour
 
 
-def run(cfg, rows: slice, micro_batches: list[int], group) -> dict:
+def run(cfg, whole: tuple, rows: torch.Tensor, micro_batches: list[int], group) -> dict:
     """prepare over this process's rows (with `group`), then the micro-batches; sums and the gradient."""
-    log_ratio, advantages, valid, behaviour = (t[rows] for t in batch())
-    num_tokens = int(batch()[2].sum())  # the whole optimizer batch, every rank
+    log_ratio, advantages, valid, behaviour = (t[rows] for t in whole)
+    num_tokens = int(whole[2].sum())  # the whole optimizer batch, every rank
     loss_fn = build_loss(cfg)
     logprobs = (behaviour + log_ratio).requires_grad_()
-    aux, prepared = loss_fn.prepare(log_ratio, advantages, valid, group)
+    aux, prepared = loss_fn.prepare(log_ratio, advantages, valid, group, rows_B=rows)
     loss_sum, metrics, start = torch.zeros(()), {}, 0
     for size in micro_batches:
         mb = slice(start, start + size)
@@ -64,15 +78,17 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def compare(name: str, cfg, rank: int) -> dict:
-    start, stop = RANK_ROWS[rank]
-    mine = run(cfg, slice(start, stop), RANK_MICRO_BATCHES[rank], dist.group.WORLD)
-    whole = run(cfg, slice(0, ROWS), [ROWS], None)
+def compare(name: str, cfg, rank: int, tied: bool = False) -> dict:
+    data = tied_batch() if tied else batch()
+    rows = (TIED_RANK_ROWS if tied else RANK_ROWS)[rank]
+    num_rows = len(data[0])
+    mine = run(cfg, data, rows, (TIED_MICRO_BATCHES if tied else RANK_MICRO_BATCHES)[rank], dist.group.WORLD)
+    whole = run(cfg, data, torch.arange(num_rows), [num_rows], None)
     # FSDP sums gradients over ranks: place this rank's rows, sum over ranks.
-    grad = torch.zeros(ROWS, COLS)
-    grad[start:stop] = mine["grad"]
+    grad = torch.zeros(num_rows, COLS)
+    grad[rows] = mine["grad"]
     checks = {
-        "mask": torch.equal(mine["aux"], whole["aux"][start:stop]),
+        "mask": torch.equal(mine["aux"], whole["aux"][rows]),
         "gradient": torch.equal(all_sum(grad), whole["grad"]),
         "loss": math.isclose(float(all_sum(mine["loss"])), float(whole["loss"]), rel_tol=1e-6, abs_tol=1e-9),
         "call metrics": all(
@@ -100,6 +116,10 @@ def main() -> int:
             cases.append(compare(f"m2po bins{num_bins}", M2POLoss(), rank))
             cases.append(compare(f"m2po tau=0.01 bins{num_bins}", M2POLoss(tau=0.01), rank))
             cases.append(compare(f"m2po_cap global bins{num_bins}", M2POCapLoss(scope="global"), rank))
+            for tau in (0.01, 0.04):
+                cases.append(
+                    compare(f"m2po ties tau={tau} bins{num_bins}", M2POLoss(tau=tau), rank, tied=True)
+                )
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": cases}, indent=1))
     dist.destroy_process_group()
     return 0 if all(all(case["checks"].values()) for case in cases) else 1

@@ -53,7 +53,7 @@ def whole_batch(vocab: int) -> Batch:
     columns_L = torch.arange(tokens_BL.shape[1])
     mask_BL = ((columns_L >= prompt_B[:, None]) & (columns_L < lengths_B[:, None])).float()
     advantages_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.0, 1.5, -1.5])
-    return Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), advantages_B, lengths_B)
+    return Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), advantages_B, lengths_B, torch.arange(9))
 
 
 def update_noise(batch: Batch, update: int) -> torch.Tensor:

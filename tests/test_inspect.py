@@ -147,13 +147,11 @@ def float32_difference(a: float, b: float) -> float:
 
 
 def m2po_literal(z: list[float], tau: float) -> int:
-    """Algorithm 1 one token at a time (equal M2 leave together): how many trust-region tokens go."""
+    """Algorithm 1, one token at a time (of equal M2 too): how many trust-region tokens go."""
     m2 = sorted((x * x for x in z if x > 0), reverse=True)
     gone = 0
     while gone < len(m2) and sum(m2[gone:]) / (len(m2) - gone) > tau:
         gone += 1
-        while gone < len(m2) and m2[gone] == m2[gone - 1]:
-            gone += 1
     return gone
 
 
@@ -204,9 +202,10 @@ def test_numbers_match_the_recorded_tensors(runs, reports):
     if entropy:
         assert rules["grpo clip 0.2"]["entropy_acted"] == pytest.approx(sum(entropy) / len(entropy), rel=1e-5)
 
-    for u in rules["m2po tau 0.04"]["per_update"]:
-        z_u = [zz for zz, t in zip(z, tokens, strict=True) if t[5] == u["update"]]
-        assert u["acted"] == m2po_literal(z_u, 0.04), u["update"]
+    for tau in (0.01, 0.02, 0.04, 0.08):
+        for u in rules[f"m2po tau {tau:g}"]["per_update"]:
+            z_u = [zz for zz, t in zip(z, tokens, strict=True) if t[5] == u["update"]]
+            assert u["acted"] == m2po_literal(z_u, tau), (tau, u["update"])
 
     for bucket in report["entropy_by_ratio"]:
         inside = [

@@ -50,16 +50,19 @@ def mean(values):
     return math.fsum(values) / len(values) if values else 0.0
 
 
-def algorithm1(log_ratio, advantages, valid, tau):
-    """The paper's Algorithm 1, one token at a time; equal M2 leave together (our tie rule)."""
+def algorithm1(log_ratio, advantages, valid, tau, rows=None):
+    """The paper's Algorithm 1, one token at a time: while the mean M2 left exceeds tau, the token
+    with the largest M2 leaves; of equal ones, the earliest in the batch (row number `rows[b]`, by
+    default b, then position t)."""
+    rows = list(range(len(log_ratio))) if rows is None else rows
     m2 = trust_region_m2_values(log_ratio, advantages, valid)
     before = mean(m2.values())
     masked = set()
     while m2 and mean(m2.values()) > tau:
         largest = max(m2.values())
-        for key in [key for key, value in m2.items() if value == largest]:
-            masked.add(key)
-            del m2[key]
+        key = min((key for key, value in m2.items() if value == largest), key=lambda k: (rows[k[0]], k[1]))
+        masked.add(key)
+        del m2[key]
     return masked, before, mean(m2.values())
 
 
@@ -265,14 +268,30 @@ def test_m2po_edge_cases_exact():
     assert float(metrics["loss/clip_frac"]) == 1 and float(metrics["m2po/cap"]) == 0  # the release: cap 0
 
 
-def test_tied_values_leave_together():
-    """M2 = [1, 1] and 98 tokens of 1e-4, tau = 0.015: one at a time would mask one 1; both go."""
+def test_of_tied_values_the_earliest_leaves_first():
+    """M2 = [1, 1] and 98 tokens of 1e-4, tau = 0.015: after one 1 leaves, the mean is
+    (1 + 98e-4) / 99 = 0.0102 <= tau, so only the first 1 (row 0, position 10) is masked."""
     log_ratio = torch.full((1, 100), 0.01)
     log_ratio[0, [10, 70]] = 1.0
     advantages, valid = torch.ones(1, 100), torch.ones(1, 100, dtype=torch.bool)
     _, _, _, keep, prepared = run_whole(M2POLoss(tau=0.015), log_ratio, advantages, valid)
-    assert (~keep).nonzero()[:, 1].tolist() == [10, 70] and int(prepared["m2po/num_masked"]) == 2
-    assert float(prepared["m2po/m2_after"]) == pytest.approx(0.01**2, rel=1e-6)
+    assert (~keep).nonzero()[:, 1].tolist() == [10] and int(prepared["m2po/num_masked"]) == 1
+    assert float(prepared["m2po/threshold"]) == 1.0  # the largest kept z: the other 1
+    assert float(prepared["m2po/m2_after"]) == pytest.approx((1 + 98e-4) / 99, rel=1e-6)
+
+
+def test_of_tied_rows_the_lower_row_number_leaves_first():
+    """Two identical rows (one prompt's samples sharing a prefix) in the other order: the row whose
+    number in the batch is lower loses its token, wherever it sits in this rank's slice."""
+    log_ratio = torch.full((2, 50), 0.01)
+    log_ratio[:, 3] = 1.0
+    advantages, valid = torch.ones(2, 50), torch.ones(2, 50, dtype=torch.bool)
+    loss_fn = build_loss(M2POLoss(tau=0.015))
+    keep, prepared = loss_fn.prepare(log_ratio, advantages, valid, rows_B=torch.tensor([41, 40]))
+    assert int(prepared["m2po/num_masked"]) == 1
+    assert (~keep).nonzero().tolist() == [[1, 3]]  # row 40, the second here
+    keep, _ = loss_fn.prepare(log_ratio, advantages, valid)  # no numbers: the order here
+    assert (~keep).nonzero().tolist() == [[0, 3]]
 
 
 # --- gradients -----------------------------------------------------------------------------------
@@ -499,3 +518,90 @@ def test_recipe_loss_tables_build_their_losses():
     assert Recipe.model_validate(base | {"loss": {"type": "gspo"}}).loss == GSPOLoss(
         eps_low=3e-4, eps_high=4e-4
     )
+
+
+# --- ties: one prompt's samples share prefixes, so equal M2 straddle the stopping point -----------
+
+
+def tied_batch(seed: int, groups: int, size: int, cols: int):
+    """`groups` prompts x `size` samples: each sample repeats its group's log-ratios exactly for a
+    prefix of its own length, then has its own; all on a grid of 1/8 (exact sums); advantages of
+    both signs, some 0; some responses short."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(-6, 7, (groups, 1, cols), generator=g) / 8
+    own = torch.randint(-6, 7, (groups, size, cols), generator=g) / 8
+    prefix = torch.randint(0, cols + 1, (groups, size, 1), generator=g)
+    rows = groups * size
+    log_ratio = torch.where(torch.arange(cols) < prefix, base, own).reshape(rows, cols).float()
+    advantages = (torch.randint(-2, 3, (rows, 1), generator=g) / 2).expand(rows, cols).contiguous()
+    valid = torch.arange(cols) < torch.randint(1, cols + 1, (rows, 1), generator=g)
+    return log_ratio, advantages, valid
+
+
+def values_together(log_ratio, advantages, valid, tau):
+    """The rule with equal M2 leaving together: what one at a time is checked against."""
+    m2 = trust_region_m2_values(log_ratio, advantages, valid)
+    masked = set()
+    while m2 and mean(m2.values()) > tau:
+        largest = max(m2.values())
+        for key in [key for key, value in m2.items() if value == largest]:
+            masked.add(key)
+            del m2[key]
+    return masked
+
+
+TIE_TAUS = (0.01, 0.04, 0.1)
+
+
+def test_tied_batches_stop_inside_a_tie_often():
+    """The batches below force the path they test: in many of them Algorithm 1 stops inside a run
+    of equal M2, where leaving together would mask more."""
+    inside = 0
+    for seed in range(60):
+        x, a, v = (t.tolist() for t in tied_batch(seed, 3, 4, 10))
+        tau = TIE_TAUS[seed % 3]
+        inside += len(algorithm1(x, a, v, tau)[0]) < len(values_together(x, a, v, tau))
+    assert inside >= 10, inside
+
+
+@settings(deadline=None, max_examples=200)
+@given(
+    st.integers(0, 2**31),
+    st.integers(1, 4),
+    st.integers(2, 6),
+    st.integers(2, 12),
+    st.sampled_from(TIE_TAUS),
+    st.sampled_from([1, 2, 1024]),
+)
+def test_m2po_masks_tied_tokens_one_at_a_time_whatever_the_split_and_order(
+    seed, groups, size, cols, tau, num_bins
+):
+    """Against the literal loop: the masked set, the loss and the gradient, for micro-batches of
+    every size and for the rows in another order on this rank (their numbers passed along)."""
+    log_ratio, advantages, valid = tied_batch(seed, groups, size, cols)
+    x, a, v = log_ratio.tolist(), advantages.tolist(), valid.tolist()
+    masked, _, after = algorithm1(x, a, v, tau)
+    rows = groups * size
+    behaviour = torch.zeros_like(log_ratio)
+    expected_loss = literal_loss(x, a, v, lambda b, t, r: 0.0 if (b, t) in masked else r)
+    n = max(int(valid.sum()), 1)
+    expected_grad = torch.tensor(
+        [[0.0 if (b, t) in masked or not v[b][t] else -math.exp(x[b][t]) * a[b][t] / n for t in range(cols)]
+         for b in range(rows)]
+    )  # fmt: skip
+    with mock.patch.object(second_moment, "NUM_BINS", num_bins):
+        for sizes in ([rows], [1] * rows, [rows // 2, rows - rows // 2]):
+            loss, grad, _, keep = run_micro_batches(
+                M2POLoss(tau=tau), log_ratio, advantages, valid, behaviour, sizes
+            )
+            assert {tuple(i) for i in torch.nonzero(valid & ~keep).tolist()} == masked
+            assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+        keep, prepared = build_loss(M2POLoss(tau=tau)).prepare(
+            log_ratio[order], advantages[order], valid[order], rows_B=order
+        )
+    assert torch.equal(
+        keep, (valid & ~torch.tensor([[(b, t) in masked for t in range(cols)] for b in range(rows)]))[order]
+    )
+    assert float(prepared["m2po/m2_after"]) == pytest.approx(after, rel=1e-9, abs=1e-300)

@@ -124,6 +124,7 @@ def acted_on(cfg: LossConfig, records: Records, behaviour: str) -> tuple[Tensor,
             behaviour_N[index_BT],
             s.advantages_R[rows, None].expand_as(mask_BT).contiguous(),
             mask_BT,
+            s.row_R[rows],
         )
         acted_N[index_BT[acted_BT]] = True
         step = int(records.step_R[rows[0]])
@@ -138,13 +139,14 @@ def _padded_index(starts_B: Tensor, lengths_B: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(mask_BT, starts_B[:, None] + positions_T[None, :], 0), mask_BT
 
 
-def _apply(loss, logprobs_BT, behaviour_BT, advantages_BT, mask_BT) -> tuple[Tensor, dict]:
+def _apply(loss, logprobs_BT, behaviour_BT, advantages_BT, mask_BT, rows_B) -> tuple[Tensor, dict]:
     """One optimizer batch through `prepare` and `__call__`; acted-on tokens are those with A != 0
-    that get no gradient."""
+    that get no gradient. `rows_B`: the rows' numbers in their rollout batch, which order M2PO's ties
+    as training did (positions here are response positions, in the same order as training's)."""
     num_tokens = int(mask_BT.sum())
     log_ratio_BT = torch.where(mask_BT, logprobs_BT - behaviour_BT, 0.0)
     mask_f_BT = mask_BT.float()
-    aux_BT, global_metrics = loss.prepare(log_ratio_BT, advantages_BT, mask_f_BT)
+    aux_BT, global_metrics = loss.prepare(log_ratio_BT, advantages_BT, mask_f_BT, rows_B=rows_B)
     logprobs_BT = logprobs_BT.clone().requires_grad_(True)
     value, metrics = loss(logprobs_BT, behaviour_BT, advantages_BT, mask_f_BT, aux_BT, num_tokens)
     (grad_BT,) = torch.autograd.grad(value, logprobs_BT)

@@ -136,7 +136,9 @@ class PackedRollouts:
         mask_KL[row_N[is_response_N], position_N[is_response_N]] = 1.0
         behaviour_KL = torch.zeros(num_rows, length)
         behaviour_KL[row_N[is_response_N], position_N[is_response_N]] = logprobs_R
-        return Batch(tokens_KL, mask_KL, behaviour_KL, rows.advantages_B.clone(), lengths_K.clone())
+        return Batch(
+            tokens_KL, mask_KL, behaviour_KL, rows.advantages_B.clone(), lengths_K.clone(), rows.row_B.clone()
+        )
 
     # --- as tensors: checkpoints and collectives ---------------------------------------------------
 
