@@ -99,7 +99,6 @@ def train_overrides(model_dir: Path, out: Path, size: dict) -> list[str]:
         f"train.mini_batch_prompts={size['prompts']}",
         "staleness.s=1",
         "checkpoint.every=0",
-        "checkpoint.final=false",
         "checkpoint.export_hf=false",
         "logging.wandb=false",
         'logging.console="plain"',

@@ -301,8 +301,9 @@ class StalenessConfig(Table):
 class CheckpointConfig(Table):
     every: int = field(0, "Save a DCP checkpoint every this many steps; 0: none on the way.", ge=0)
     final: bool = field(
-        True,
-        "Save one after the last step too (a finished run needs none to resume; the export holds its policy).",
+        False,
+        "Save one after the last step too; off by default: a finished run needs none to resume and the "
+        "export holds its policy (a re-run with more steps resumes from the last periodic one).",
     )
     keep: int = field(2, "Checkpoints kept on disk (oldest removed first).", ge=1)
     resume: Literal["auto", "never"] = field(
@@ -334,6 +335,14 @@ class LoggingConfig(Table):
     console: Literal["rich", "plain"] = field(
         "rich", "rich: live progress display; plain: one line per step."
     )
+    samples: int = field(
+        0,
+        "Every samples_every steps, k responses of the batch just trained (prompt, completion, "
+        "reward) go to samples.jsonl in the run directory; 0: none.",
+        ge=0,
+    )
+    samples_every: int = field(10, "Steps between two sample tables (from step 0).", ge=1)
+    samples_console: bool = field(False, "Show each sample table on the console too.")
 
 
 class Recipe(Table):

@@ -161,15 +161,15 @@ def test_a_one_process_group_leaves_nothing_in_tmpdir(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_checkpoints_fall_every_k_steps_and_after_the_last_unless_turned_off(tmp_path):
+def test_checkpoints_fall_every_k_steps_and_after_the_last_only_if_asked(tmp_path):
     from m2po_cli.train.loop import checkpoint_due
 
     def due(*overrides):
         recipe = recipe_for(tmp_path, "run.steps=10", *overrides)
         return [step for step in range(10) if checkpoint_due(recipe, step)]
 
-    assert due("checkpoint.every=4") == [3, 7, 9]
+    assert due("checkpoint.every=4") == [3, 7]
     assert due("checkpoint.every=5") == [4, 9]
-    assert due("checkpoint.every=0") == [9]
-    assert due("checkpoint.every=4", "checkpoint.final=false") == [3, 7]
-    assert due("checkpoint.every=0", "checkpoint.final=false") == []
+    assert due("checkpoint.every=0") == []
+    assert due("checkpoint.every=4", "checkpoint.final=true") == [3, 7, 9]
+    assert due("checkpoint.every=0", "checkpoint.final=true") == [9]

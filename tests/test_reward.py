@@ -91,26 +91,19 @@ def test_the_rows_other_fields_are_kept_only_for_a_function(tmp_path):
     assert plain.columns == {}
 
 
-def test_train_refuses_an_unloadable_function_before_anything_starts(tmp_path):
+def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`m2po train` of the quickstart, two steps, nothing saved, as a whole process."""
+    sets = [f'run.output_dir="{tmp_path}"', "run.steps=2", "inspect.every=0",
+            "checkpoint.export_hf=false", 'logging.console="plain"', *overrides]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "m2po_cli",
-            "train",
-            str(QUICKSTART),
-            "--set",
-            f'run.output_dir="{tmp_path}"',
-            "--set",
-            'reward.function="tests.rewards:nothing"',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
+    return subprocess.run(
+        [sys.executable, "-m", "m2po_cli", "train", str(QUICKSTART), *[a for o in sets for a in ("--set", o)]],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_train_refuses_an_unloadable_function_before_anything_starts(tmp_path):
+    done = train(tmp_path, 'reward.function="tests.rewards:nothing"')
     assert done.returncode == 2
     assert (
         done.stderr.strip()
@@ -125,40 +118,35 @@ def test_train_refuses_an_unloadable_function_before_anything_starts(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_trains_on_the_functions_rewards(tmp_path):
-    """Two colocated steps of the quickstart with the responses' lengths as the reward: the logged
-    reward is their mean length (the math grader's is at most 1)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "m2po_cli",
-            "train",
-            str(QUICKSTART),
-            "--set",
-            f'run.output_dir="{tmp_path}"',
-            "--set",
-            'reward.function="tests.rewards:length"',
-            "--set",
-            "run.steps=2",
-            "--set",
-            "inspect.every=0",
-            "--set",
-            "checkpoint.final=false",
-            "--set",
-            "checkpoint.export_hf=false",
-            "--set",
-            'logging.console="plain"',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
+    """Two colocated steps of the quickstart with each response's length as its reward: every logged
+    sample's reward is the length of its completion, and the step's mean reward is theirs."""
+    rows = 32 * 8
+    done = train(
+        tmp_path,
+        'reward.function="tests.rewards:length"',
+        f"logging.samples={rows}",
+        "logging.samples_every=1",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [
-        json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert len(steps) == 2
-    assert all(s["rollout/reward_mean"] > 1.5 for s in steps), [s["rollout/reward_mean"] for s in steps]
+    run = tmp_path / "quickstart"
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1] and len(samples) == 2 * rows
+    assert all(s["reward"] == len(s["completion"]) for s in samples)
+    assert any(s["reward"] > 1 for s in samples)  # not the math grader's 0 or 1
+    for step in steps:
+        mine = [s["reward"] for s in samples if s["step"] == step["step"]]
+        assert step["rollout/reward_mean"] == pytest.approx(sum(mine) / len(mine), rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, fault", [("raises", "raised KeyError"), ("too_few", "returned 7 values for 8 completions"),
+                    ("not_numbers", "returned '1.0', not a finite number")],
+)  # fmt: skip
+def test_a_run_with_a_failing_function_exits_2_in_one_line(tmp_path, name, fault):
+    done = train(tmp_path, f'reward.function="tests.rewards:{name}"')
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"reward.function tests.rewards:{name}: {fault}" in last and "(problem " in last
+    assert "Traceback" not in done.stderr

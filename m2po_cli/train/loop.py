@@ -82,7 +82,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     problems = (
         load_problems(recipe.data, columns=bool(recipe.reward.function)) if problems is None else problems
     )
-    prompts = PromptBatches(problems, load_tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
     with ExitStack() as stack:  # closes what set-up started, whichever step fails
         learner = Learner(model_dir, recipe)
         torch.manual_seed(recipe.run.seed)
@@ -105,6 +106,8 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             metrics.update(step_times(t0, t1, metrics))
             if log is not None:
                 log.log(step, metrics)
+                if recipe.logging.samples and step % recipe.logging.samples_every == 0:
+                    log.samples(step, batch_samples(batch, tokenizer, recipe.logging.samples))
             if checkpoint_due(recipe, step):
                 loop_state = {"step": step + 1, "mode": source.mode, **source.state()}
                 checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, source.save)
@@ -138,9 +141,34 @@ def resume(
     return first_step, restored
 
 
+def batch_samples(batch: PackedRollouts, tokenizer, k: int) -> list[dict]:
+    """k of this rank's rows of a trained batch, spread over them, as text: prompt, completion
+    (special tokens dropped), reward and row number."""
+    if not batch.num_rows:
+        return []
+    index = torch.linspace(0, batch.num_rows - 1, min(k, batch.num_rows)).round().long().unique()
+    rows = batch.take(index)
+    out = []
+
+    def decode(ids: torch.Tensor) -> str:
+        return tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
+    for b, tokens in enumerate(rows.tokens_N.split(rows.lengths_B.tolist())):
+        cut = int(rows.prompt_len_B[b])
+        out.append(
+            {
+                "row": int(rows.row_B[b]),
+                "reward": float(rows.rewards_B[b]),
+                "prompt": decode(tokens[:cut]),
+                "completion": decode(tokens[cut:]),
+            }
+        )
+    return out
+
+
 def checkpoint_due(recipe: Recipe, step: int) -> bool:
     """Whether the loop saves a checkpoint after `step`: every `checkpoint.every` steps, and after
-    the last one unless `checkpoint.final` is off."""
+    the last one if `checkpoint.final` asks."""
     every = recipe.checkpoint.every
     last = step + 1 == recipe.run.steps
     return bool(every and (step + 1) % every == 0) or (last and recipe.checkpoint.final)

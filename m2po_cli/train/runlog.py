@@ -4,6 +4,7 @@ Layout of `runs/<name>/`:
     config.toml        the fully resolved recipe
     meta.json          versions, git revision, command line, world size
     metrics.jsonl      one JSON object per step
+    samples.jsonl      responses of some steps, as text (`logging.samples`)
     checkpoints/       DCP checkpoints, `step-NNNNNN/` (see checkpoint.py)
     inspect/           token-level records for `m2po inspect`, `step-NNNNNN.safetensors` (see record.py)
     export/            HF safetensors export of the final policy
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 from m2po_cli.config import Recipe
 from m2po_cli.tomlconf import to_toml
@@ -102,6 +104,7 @@ class RunLog:
     def start(self, first_step: int) -> None:
         """Begin the display; drop metrics lines past `first_step` left by a killed run."""
         kept = forget_steps_from(self.run_dir / "metrics.jsonl", first_step)
+        forget_steps_from(self.run_dir / "samples.jsonl", first_step)
         self.rewards = [record["rollout/reward_mean"] for record in kept]
         if self.recipe.logging.console == "rich":
             self.progress = Progress(
@@ -148,6 +151,21 @@ class RunLog:
             )
         parts.append(f"{m.get('time/step', 0):.1f}s/step")
         return "  ".join(parts)
+
+    def samples(self, step: int, samples: list[dict]) -> None:
+        """Append one step's samples (`prompt`, `completion`, `reward`, `row`) to samples.jsonl, and
+        show them as a table if `logging.samples_console` asks."""
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+        if not self.recipe.logging.samples_console:
+            return
+        table = Table(title=f"step {step + 1}: {len(samples)} samples", show_lines=True, expand=True)
+        for column in ("row", "reward", "prompt", "completion"):
+            table.add_column(column, overflow="fold")
+        for s in samples:
+            table.add_row(str(s["row"]), f"{s['reward']:g}", s["prompt"], s["completion"])
+        self.console.print(table)
 
     def message(self, text: str) -> None:
         self.console.print(text, soft_wrap=True)  # one line, whatever the terminal width
