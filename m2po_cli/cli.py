@@ -192,6 +192,23 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
         _fail(str(e))
 
 
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click.option("--json", "as_json", is_flag=True, help="Print every number as JSON instead of tables.")
+@click.option("--plot", "plot_dir", metavar="DIR", help="Write PNG figures (reward, clipped share) into DIR.")
+def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> None:
+    """Several runs side by side; runs of one recipe that differ only in run.seed form one arm.
+
+    Reads each RUN_DIR's metrics.jsonl and config.toml (never starts vLLM or builds a model).
+    """
+    from m2po_cli.inspection.compare import CompareError, command
+
+    try:
+        command(run_dirs, as_json, plot_dir)
+    except CompareError as e:
+        _fail(str(e))
+
+
 def _fail(message: str) -> None:
     click.echo(message, err=True)
     sys.exit(2)

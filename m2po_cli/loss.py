@@ -146,6 +146,7 @@ def _token_metrics(
     metrics = {
         "loss/num_tokens": torch.count_nonzero(valid_BT),
         "loss/ratio_mean": torch.where(valid_BT, log_ratio_BT.exp(), 0.0).sum() / denom,
+        "loss/abs_log_ratio_mean": torch.where(valid_BT, log_ratio_BT.abs(), 0.0).sum() / denom,
         "loss/tr_frac": torch.count_nonzero(log_ratio_BT * sign_BT > 0) / denom,
     }
     if clipped_BT is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 
@@ -114,9 +115,21 @@ NOTES = (
 )
 
 
+def print_whole(console: Console, table: Table) -> None:
+    """Print `table` at its natural width, wider than the terminal (or a pipe's 80 columns) where it
+    needs to be: rich would otherwise shrink its columns and cut numbers short with an ellipsis."""
+    needed = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    width = console.width
+    try:
+        console.width = max(width, needed)
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def show(report: dict, run_dir: str, loss: str, console: Console) -> None:
     console.print(header(report, run_dir, loss), soft_wrap=True)
     tables = (staleness_table, quantile_table, rules_table, rules_by_staleness_table, entropy_table)
     for table in tables:
-        console.print(table(report))
+        print_whole(console, table(report))
     console.print(NOTES, style="dim")

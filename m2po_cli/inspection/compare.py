@@ -1,0 +1,309 @@
+"""`m2po compare`: several runs side by side, from their `metrics.jsonl` and `config.toml` alone.
+
+No vLLM, no model, no torch. Runs of one recipe that differ only in `run.seed` (and the run's name
+and folder, and what it logs or saves) form one arm; an arm's numbers are the mean over its seeds
+with the standard error of that mean. Per run:
+
+- reward of the first and the last fifth of its steps (means of `rollout/reward_mean`), and its peak:
+  the largest mean over `window` consecutive steps (a tenth of the run, at least one step);
+- the share of tokens its loss clipped or masked (`loss/clip_frac`), the mean |log r| of its tokens
+  (`loss/abs_log_ratio_mean`) and seconds per step (`time/step`), each a mean over the steps.
+
+Figures (`write_figures`): the reward, and the clipped or masked share, against optimizer updates,
+one line per arm (the mean over its seeds, a band from the lowest to the highest seed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+# What a run's recipe may differ in and still be a seed of the same arm.
+NOT_THE_ARM = {"run": ("seed", "name", "output_dir"), "logging": None, "checkpoint": None, "inspect": None}
+NUMBERS = ("reward_first", "reward_last", "reward_peak", "acted", "abs_log_ratio", "seconds_per_step")
+
+
+class CompareError(Exception):
+    """A run `m2po compare` cannot read or compare; one line."""
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    steps: list[dict]
+
+    @property
+    def loss(self) -> str:
+        loss = self.config.get("loss", {})
+        kind = loss.get("type", "m2po")
+        detail = {"m2po": "tau", "m2po_cap": "tau"}.get(kind)
+        return f"{kind} tau={loss['tau']:g}" if detail and "tau" in loss else kind
+
+    @property
+    def staleness(self) -> str:
+        s = self.config.get("staleness", {})
+        if s.get("mode", "fixed") == "bounded" or self.config.get("rollout", {}).get("mode") == "separate":
+            return f"<={s.get('max_staleness', 4)}"
+        return str(s.get("s", 0))
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("run", {}).get("seed", 0))
+
+    def arm_key(self) -> str:
+        tree = {}
+        for table, value in self.config.items():
+            if table in NOT_THE_ARM and NOT_THE_ARM[table] is None:
+                continue
+            if isinstance(value, dict) and table in NOT_THE_ARM:
+                value = {k: v for k, v in value.items() if k not in NOT_THE_ARM[table]}
+            tree[table] = value
+        return json.dumps(tree, sort_keys=True)
+
+    def task_key(self) -> str:
+        return json.dumps(self.config.get("data", {}), sort_keys=True)
+
+
+def read_run(path: Path) -> Run:
+    """A run directory's recipe and steps. Raises CompareError naming the file and the fault."""
+    config_path, metrics_path = path / "config.toml", path / "metrics.jsonl"
+    if not config_path.is_file():
+        raise CompareError(f"{path}: not a run directory (no config.toml; `m2po train` writes one)")
+    try:
+        config = tomllib.loads(config_path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise CompareError(f"{config_path}: not a valid run config ({e})") from None
+    if not metrics_path.is_file() or not metrics_path.read_text().strip():
+        raise CompareError(f"{metrics_path}: no steps logged")
+    text = metrics_path.read_text()
+    if not text.endswith("\n"):
+        raise CompareError(f"{metrics_path}: its last line is cut short (a killed run; resume it to repair)")
+    steps = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            raise CompareError(f"{metrics_path}: line {number} is not JSON") from None
+        if not isinstance(step, dict) or "step" not in step or "rollout/reward_mean" not in step:
+            raise CompareError(f"{metrics_path}: line {number} is not a step's metrics")
+        steps.append(step)
+    return Run(path, config, steps)
+
+
+def read_runs(paths: list[Path]) -> list[Run]:
+    """Every run, checked to be of one task (the same `[data]`)."""
+    runs = [read_run(p) for p in paths]
+    tasks = {r.task_key() for r in runs}
+    if len(tasks) > 1:
+        first = runs[0]
+        other = next(r for r in runs if r.task_key() != first.task_key())
+        raise CompareError(
+            f"{other.path}: a different task from {first.path} (their [data] tables differ); compare runs of one task"
+        )
+    return runs
+
+
+def _mean(values: list[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def window(num_steps: int) -> int:
+    """Steps per point of the peak and of the figures' curves: a tenth of the run, at least one."""
+    return max(1, num_steps // 10)
+
+
+def summary(run: Run) -> dict:
+    """One run's numbers (the table's row)."""
+    reward = [s["rollout/reward_mean"] for s in run.steps]
+    n, fifth, w = len(reward), max(1, len(reward) // 5), window(len(reward))
+
+    def over_steps(key: str) -> float | None:
+        return _mean([s[key] for s in run.steps if key in s])
+
+    return {
+        "run": str(run.path),
+        "loss": run.loss,
+        "staleness": run.staleness,
+        "seed": run.seed,
+        "steps": n,
+        "updates": int(run.steps[-1].get("optim/version", n)),
+        "reward_first": _mean(reward[:fifth]),
+        "reward_last": _mean(reward[-fifth:]),
+        "reward_peak": max(_mean(reward[i : i + w]) for i in range(n - w + 1)),
+        "acted": over_steps("loss/clip_frac"),
+        "abs_log_ratio": over_steps("loss/abs_log_ratio_mean"),
+        "seconds_per_step": over_steps("time/step"),
+    }
+
+
+def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """Runs grouped into arms, in the order each arm first appears; each arm labelled by its loss
+    and staleness (and its first run's folder where two arms would share a label)."""
+    arms: dict[str, list[Run]] = {}
+    for run in runs:
+        arms.setdefault(run.arm_key(), []).append(run)
+    labels = [f"{members[0].loss}, s={members[0].staleness}" for members in arms.values()]
+    out = []
+    for label, members in zip(labels, arms.values(), strict=True):
+        if labels.count(label) > 1:
+            label = f"{label} ({members[0].path.name})"
+        out.append((label, members))
+    return out
+
+
+def arm_summary(label: str, members: list[Run]) -> dict:
+    """An arm's numbers: each the mean over its seeds, with the standard error (None for one seed)."""
+    rows = [summary(r) for r in members]
+    out: dict = {"arm": label, "runs": [r["run"] for r in rows], "seeds": [r["seed"] for r in rows]}
+    out |= {
+        "loss": rows[0]["loss"],
+        "staleness": rows[0]["staleness"],
+        "steps": min(r["steps"] for r in rows),
+    }
+    for key in NUMBERS:
+        values = [r[key] for r in rows if r[key] is not None]
+        out[key] = _mean(values)
+        out[f"{key}_se"] = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return out
+
+
+def compare(paths: list[Path]) -> dict:
+    """Everything `m2po compare` shows, as plain numbers (its `--json`)."""
+    runs = read_runs(paths)
+    return {
+        "runs": [summary(r) for r in runs],
+        "arms": [arm_summary(label, members) for label, members in group(runs)],
+    }
+
+
+def curves(members: list[Run], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(updates, mean, lowest, highest) over the arm's seeds of `key` averaged over `window` steps, on
+    the steps every seed reached; updates are the first seed's `optim/version` at each point."""
+    n = min(len(r.steps) for r in members)
+    w = window(n)
+    xs, mean, low, high = [], [], [], []
+    for i in range(0, n - w + 1, w):
+        values = [_mean([s.get(key, 0.0) for s in r.steps[i : i + w]]) for r in members]
+        xs.append(float(members[0].steps[i + w - 1].get("optim/version", i + w)))
+        mean.append(math.fsum(values) / len(values))
+        low.append(min(values))
+        high.append(max(values))
+    return xs, mean, low, high
+
+
+FIGURES = {
+    "reward": ("rollout/reward_mean", "reward (mean over the batch)", 1.0),
+    "clipped_or_masked": ("loss/clip_frac", "tokens clipped or masked (%)", 100.0),
+}
+
+
+def figures(paths: list[Path]):
+    """One matplotlib figure per entry of FIGURES: a line per arm, a band over its seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = group(read_runs(paths))
+    out = {}
+    for name, (key, ylabel, scale) in FIGURES.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
+        for label, members in arms:
+            xs, mean, low, high = curves(members, key)
+            (line,) = ax.plot(xs, [scale * v for v in mean], label=f"{label} ({len(members)} seeds)")
+            if len(members) > 1:
+                ax.fill_between(
+                    xs, [scale * v for v in low], [scale * v for v in high], color=line.get_color(), alpha=0.2
+                )
+        ax.set_xlabel("optimizer updates")
+        ax.set_ylabel(ylabel)
+        ax.set_title(
+            f"{ylabel.split(' (')[0]}, mean over {window(min(len(r.steps) for _, m in arms for r in m))}-step windows"
+        )
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        out[name] = fig
+    return out
+
+
+def write_figures(paths: list[Path], folder: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fig in figures(paths).items():
+        path = folder / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# --- the tables ------------------------------------------------------------------------------------
+
+
+def _f(value: float | None, fmt: str = ".3f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(scale * value, fmt)
+
+
+def _pm(row: dict, key: str, fmt: str = ".3f", scale: float = 1.0) -> str:
+    se = row.get(f"{key}_se")
+    return _f(row[key], fmt, scale) + ("" if se is None else f" ± {_f(se, fmt, scale)}")
+
+
+def run_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title="runs", title_justify="left")
+    for name in ("run", "loss", "s", "seed", "steps", "updates", "reward first 1/5", "last 1/5", "peak",
+                 "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
+        t.add_column(name, justify="left" if name in ("run", "loss") else "right", no_wrap=True)
+    for r in report["runs"]:
+        t.add_row(
+            r["run"], r["loss"], r["staleness"], str(r["seed"]), str(r["steps"]), str(r["updates"]),
+            _f(r["reward_first"]), _f(r["reward_last"]), _f(r["reward_peak"]), _f(r["acted"], ".2f", 100),
+            _f(r["abs_log_ratio"], ".4f"), _f(r["seconds_per_step"], ".2f"),
+        )  # fmt: skip
+    return t
+
+
+def arm_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title="arms: mean ± standard error over seeds", title_justify="left")
+    for name in ("arm", "seeds", "steps", "reward first 1/5", "last 1/5", "peak", "clipped/masked %",
+                 "mean |log r|", "s/step"):  # fmt: skip
+        t.add_column(name, justify="left" if name == "arm" else "right", no_wrap=True)
+    for a in report["arms"]:
+        t.add_row(
+            a["arm"], str(len(a["seeds"])), str(a["steps"]), _pm(a, "reward_first"), _pm(a, "reward_last"),
+            _pm(a, "reward_peak"), _pm(a, "acted", ".2f", 100), _pm(a, "abs_log_ratio", ".4f"),
+            _pm(a, "seconds_per_step", ".2f"),
+        )  # fmt: skip
+    return t
+
+
+def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> None:
+    """`m2po compare`: tables (or JSON) on stdout, PNG figures into `plot_dir`."""
+    from rich.console import Console
+
+    from m2po_cli.inspection.report import print_whole
+
+    paths = [Path(p) for p in run_dirs]
+    report = compare(paths)
+    if plot_dir is not None:
+        report["plots"] = [str(p) for p in write_figures(paths, Path(plot_dir))]
+    console = Console()
+    if as_json:
+        console.file.write(json.dumps(report, indent=1) + "\n")
+        return
+    print_whole(console, run_table(report))
+    print_whole(console, arm_table(report))
+    for path in report.get("plots", []):
+        console.print(f"wrote {path}")
