@@ -197,14 +197,26 @@ class RolloutConfig(Table):
         "of the weights that the push overwrites. The CPU has no sleep mode.",
     )
 
-    def launch_problem(self, world: int) -> str | None:
-        """What keeps a launch of `world` processes from running this rollout, or None: colocated
-        engines span `tensor_parallel_size` consecutive ranks, so it must divide them."""
+    def launch_problem(self, world: int, local_world: int | None = None) -> str | None:
+        """What keeps a launch of `world` processes, `local_world` of them on each node (None: all on
+        one), from running this rollout, or None. Colocated engines span `tensor_parallel_size`
+        consecutive ranks, so it must divide them, and divide a node's: an engine whose ranks sit on
+        two nodes would run its tensor parallelism over the network, which vLLM's in-process launcher
+        does not support well."""
         tp = self.tensor_parallel_size
-        if self.mode == "colocated" and world % tp:
+        if self.mode != "colocated":
+            return None
+        if world % tp:
             return (
                 f"rollout.tensor_parallel_size: {tp} does not divide the {world} process(es) of this "
                 "launch; start a multiple of it (torchrun --nproc-per-node)"
+            )
+        local = world if local_world is None else local_world
+        if local % tp:
+            return (
+                f"rollout.tensor_parallel_size: {tp} does not divide the {local} process(es) on each node, "
+                "so an engine would span two nodes; keep each engine within a node (a multiple of it "
+                "per node: torchrun --nproc-per-node)"
             )
         return None
 

@@ -291,6 +291,11 @@ def test_tensor_parallel_size_that_does_not_divide_the_launch_fails_before_anyth
         proc = _cli("train", str(QUICKSTART), *sets, env=None if world is None else {"WORLD_SIZE": world})
         prefix = f"{QUICKSTART}: rollout.tensor_parallel_size: {tp} does not divide the {world or 1} process"
         assert _one_line_problem(proc, prefix) is None, _one_line_problem(proc, prefix)
+    # 2 nodes of 3 processes: TP 2 divides the 6 ranks but an engine would straddle the nodes.
+    sets = ["--set", "rollout.tensor_parallel_size=2", "--set", out]
+    proc = _cli("train", str(QUICKSTART), *sets, env={"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3"})
+    prefix = f"{QUICKSTART}: rollout.tensor_parallel_size: 2 does not divide the 3 process(es) on each node"
+    assert _one_line_problem(proc, prefix) is None, _one_line_problem(proc, prefix)
     assert not (tmp_path / "quickstart").exists(), "the run started before the launch was checked"
     # A dry run checks the recipe alone: the launch that will run it is not known yet.
     dry = _cli("train", str(QUICKSTART), "--set", "rollout.tensor_parallel_size=2", "--dry-run")

@@ -341,7 +341,9 @@ def test_grpo_hand_computed():
     assert float(metrics["loss/clip_frac_neg"]) == pytest.approx(1 / 7)
     assert float(metrics["loss/tr_frac"]) == pytest.approx(4 / 7)  # r = 1.5, 1.1 (A > 0); 0.5, 0.9 (A < 0)
     ratios = [1.5, 0.5, 1.1, 1.5, 0.5, 4.0, 0.9]  # the valid ones
-    assert float(metrics["loss/abs_log_ratio_mean"]) == pytest.approx(sum(abs(math.log(r)) for r in ratios) / 7)
+    assert float(metrics["loss/abs_log_ratio_mean"]) == pytest.approx(
+        sum(abs(math.log(r)) for r in ratios) / 7
+    )
     assert grad[0, 0] == 0 and grad[1, 1] == 0
     loss, grad, metrics, _, _ = run_whole(GRPOLoss(dual_clip=3.0), log_ratio, advantages, valid)
     assert loss.item() == pytest.approx(-(2.4 + 1.0 + 2.2 - 1.5 - 0.8 - 3.0 - 0.9) / 7, rel=1e-6)

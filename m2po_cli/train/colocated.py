@@ -44,7 +44,7 @@ class ColocatedSource:
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
         """Cheap checks before anything starts."""
-        problem = recipe.rollout.launch_problem(world)
+        problem = recipe.rollout.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if problem:
             raise RunError(problem)
 
