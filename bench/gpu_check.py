@@ -25,6 +25,7 @@ over 0.05 (GPU, bf16) or 1e-4 (CPU, fp32), or under 5 GB is free after a wake.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -246,6 +247,13 @@ def report_generation(check: Check, model_dir: Path, size: dict) -> None:
 
 
 def report_transport(check: Check) -> None:
+    """The separate-mode NCCL transport test (`tests/test_transport.py`), which needs pytest (the
+    `--dev` install); without it the row says how to get it."""
+    if importlib.util.find_spec("pytest") is None:
+        check.not_applicable.append(
+            "the NCCL weight-transport test: pytest is missing (scripts/install.sh --gpu --dev)"
+        )
+        return
     done = subprocess.run(
         [
             sys.executable,
