@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check (bench/gpu_check.py): learner tokens/s and MFU, vLLM generation tokens/s, weight-sync
-# time against the device's copy bandwidth, logprob mismatch after a sync, peak memory of the train and
-# generate phases with the engine asleep and awake, and a few M2PO updates. At most 8 minutes on one
-# GPU; without a GPU it runs the same steps at tiny size and lists what it skipped.
-#   scripts/gpu_check.sh [--out DIR]     (uses .venv; install with scripts/install.sh --gpu)
+# The first GPU run in one call (bench/gpu_check.py): `m2po train` of the 8B colocated recipe at
+# Qwen3-8B's shapes with 4 layers, three M2PO updates with the engine asleep and woken between them;
+# learner tokens/s and MFU, weight-sync seconds against the bytes pushed, the logprob gap after each
+# push, device memory free after each wake, generation tokens/s with and without CUDA graphs; with 2+
+# GPUs a 2-rank run and the NCCL weight-transport test. Writes its table to docs/performance.md. At
+# most 8 minutes on one GPU; without a GPU it runs the same steps at tiny size.
+#   scripts/gpu_check.sh [--out DIR] [--no-write-doc]
+# Uses .venv: scripts/install.sh --gpu (with --dev for the 2-GPU transport test, which needs pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${M2PO_PYTHON:-.venv/bin/python}
