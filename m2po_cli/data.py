@@ -138,7 +138,7 @@ def _read_hub(cfg: DataConfig, columns: bool) -> list[Any]:
     return ds.select_columns([cfg.prompt_key, cfg.answer_key]).to_list()
 
 
-def _to_problem(i: int, record: Any, cfg: DataConfig, columns: bool = False) -> Problem:
+def _to_problem(i: int, record: Any, cfg: DataConfig, columns: bool) -> Problem:
     where = f"{cfg.source}: record {i}"
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected an object, got {type(record).__name__}")

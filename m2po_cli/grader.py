@@ -38,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from types import FrameType
 from typing import Any
@@ -124,6 +125,16 @@ def _reward_within(
     except Exception as e:
         return f"raised {type(e).__name__}: {_first_line(e)}", False
     return _checked_scores(values, len(completions)), False
+
+
+def _grade_pair(pair: tuple[str, str], timeout_s: float) -> tuple[float, bool]:
+    return _grade_within(*pair, timeout_s)
+
+
+def _task(function: Callable[..., Any] | None) -> Callable[[Any, float], tuple[Any, bool]]:
+    """What scores one item within a time limit: a (prediction, gold) pair by the math grader, or a
+    group by `function`. Returns (score, timed_out)."""
+    return _grade_pair if function is None else partial(_reward_within, function)
 
 
 def extract_boxed(text: str) -> str | None:
@@ -223,12 +234,9 @@ def worker_main(conn: Connection, reward: str = "") -> None:
     item is a (prediction, gold) pair for the math grader, a group for `reward`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
-    if reward:
-        function = load_reward(reward)
-        task = lambda group, timeout_s: _reward_within(function, group, timeout_s)  # noqa: E731
-    else:
+    if not reward:
         answers_match("1", "1")  # import sympy and the LaTeX parser before reporting ready
-        task = lambda pair, timeout_s: _grade_within(*pair, timeout_s)  # noqa: E731
+    task = _task(load_reward(reward) if reward else None)
     try:
         conn.send("ready")
     except BrokenPipeError:  # the pool was closed while this worker was still starting
@@ -311,16 +319,7 @@ class Grader:
         preds = [extract_boxed(r) for r in responses]
         scores = [0.0] * len(responses)
         todo = [i for i, p in enumerate(preds) if p is not None]
-        if self.num_workers == 0:
-            self._grade_in_process(todo, preds, golds, scores)
-            return scores
-        chunks = deque(deque(todo[i : i + self.chunk_size]) for i in range(0, len(todo), self.chunk_size))
-        try:
-            self._run(chunks, list(zip(preds, golds, strict=True)), scores)
-        except BaseException:
-            # Interrupted mid-batch (Ctrl-C): busy workers would send stale scores to the next call.
-            self.close()
-            raise
+        self._score(_task(None), list(zip(preds, golds, strict=True)), todo, scores, self.chunk_size)
         return scores
 
     def score_groups(self, problems: Sequence[Problem], groups: Sequence[Sequence[str]]) -> list[list[float]]:
@@ -339,24 +338,8 @@ class Grader:
             raise GraderError("score_groups: the grader is closed")
         items = [(p.problem, list(g), p.answer, p.columns) for p, g in zip(problems, groups, strict=True)]
         results: list[Any] = [[0.0] * len(g) for g in groups]  # a group that times out keeps these
-        if self.num_workers == 0:
-            previous = signal.signal(signal.SIGALRM, _on_alarm)
-            try:
-                for i, item in enumerate(items):
-                    results[i], timed_out = _reward_within(self._function, item, self.timeout_s)
-                    self.num_timeouts += timed_out
-            finally:
-                signal.signal(signal.SIGALRM, previous)
-        else:
-            per_chunk = max(1, self.chunk_size // 8)
-            chunks = deque(
-                deque(range(i, min(i + per_chunk, len(items)))) for i in range(0, len(items), per_chunk)
-            )
-            try:
-                self._run(chunks, items, results)
-            except BaseException:
-                self.close()
-                raise
+        per_chunk = max(1, self.chunk_size // 8)  # a group is about 8 samples
+        self._score(_task(self._function), items, list(range(len(items))), results, per_chunk)
         for problem, result in zip(problems, results, strict=True):
             if isinstance(result, str):
                 raise RewardError(
@@ -364,16 +347,25 @@ class Grader:
                 )
         return results
 
-    def _grade_in_process(
-        self, todo: list[int], preds: list[str | None], golds: Sequence[str], scores: list[float]
-    ) -> None:
-        previous = signal.signal(signal.SIGALRM, _on_alarm)
+    def _score(self, task, items: list[Any], todo: list[int], scores: list[Any], per_chunk: int) -> None:
+        """`scores[i]` for each i in `todo`: `task(items[i])` in the pool, in chunks of `per_chunk`
+        (the workers run the same task), or here with the soft limit only when there is no pool."""
+        if self.num_workers == 0:
+            previous = signal.signal(signal.SIGALRM, _on_alarm)
+            try:
+                for i in todo:
+                    scores[i], timed_out = task(items[i], self.timeout_s)
+                    self.num_timeouts += timed_out
+            finally:
+                signal.signal(signal.SIGALRM, previous)
+            return
+        chunks = deque(deque(todo[i : i + per_chunk]) for i in range(0, len(todo), per_chunk))
         try:
-            for i in todo:
-                scores[i], timed_out = _grade_within(preds[i], golds[i], self.timeout_s)
-                self.num_timeouts += timed_out
-        finally:
-            signal.signal(signal.SIGALRM, previous)
+            self._run(chunks, items, scores)
+        except BaseException:
+            # Interrupted mid-batch (Ctrl-C): busy workers would send stale scores to the next call.
+            self.close()
+            raise
 
     def _run(self, chunks: deque[deque[int]], pairs: list[Any], scores: list[Any]) -> None:
         """Feed chunks to ready workers until every item (sample or group) has a score."""

@@ -62,9 +62,9 @@ def search(tr: TrustRegionM2, stop, below: Tensor) -> tuple[Tensor, Tensor, Tens
     Position i means "the i largest have left" (i = 0..n_top). `stop(position_P, left_P, m2_P)`
     gets, for some positions, the M2 sum of the tokens left (the rest included) and the M2 of the
     i-th value (the largest one left; `below` past the last top value), and says where the rule may
-    stop; it must hold from some position on, as both rules' conditions do. The top values are binned by log z into NUM_BINS bins; the rule is
-    first tried at the bin boundaries (all at once), then inside the one bin where it starts to
-    hold, whose values alone are sorted. No loop over tokens, and no sort of the whole batch. Sums
+    stop; it must hold from some position on, as both rules' conditions do. The top values are
+    binned by log z into NUM_BINS bins; the rule is first tried at the bin boundaries (all at once),
+    then inside the one bin where it starts to hold, whose values alone are sorted. No loop over tokens, and no sort of the whole batch. Sums
     run from the small values up, so nothing cancels.
 
     Returns the position i, the z at i, the M2 sum left at i, and the M2 at i.

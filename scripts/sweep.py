@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from m2po_cli.config import load_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,9 +35,6 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def planned_steps(recipe: Path, overrides: list[str]) -> int:
     """`run.steps` of the recipe after the overrides (read the way `m2po train` reads it)."""
-    sys.path.insert(0, str(ROOT))
-    from m2po_cli.config import load_recipe
-
     return load_recipe(recipe, overrides).run.steps
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_cli.config import load_recipe
-from m2po_cli.inspection.compare import compare, figures
+from m2po_cli.inspection.compare import compare, figures, read_runs
 from m2po_cli.inspection.report import print_whole
 from m2po_cli.tomlconf import to_toml
 from tests.conftest import QUICKSTART
@@ -68,7 +68,7 @@ def literal(run: Path) -> dict:
 
 
 def test_numbers_are_the_metrics_recomputed_and_seeds_form_arms(runs):
-    report = compare(runs)
+    report = compare(read_runs(runs))
     assert [r["run"] for r in report["runs"]] == [str(r) for r in runs]
     for row, run in zip(report["runs"], runs, strict=True):
         assert row["steps"] == 23 and row["updates"] == 23 and row["staleness"] == "8"
@@ -121,7 +121,7 @@ def test_the_command_prints_whole_numbers_piped_at_80_columns_without_vllm_or_to
 
 
 def test_figures_have_a_line_per_arm_labelled_axes_and_a_legend(runs):
-    made = figures(runs)
+    made = figures(read_runs(runs))
     assert set(made) == {"reward", "clipped_or_masked"}
     for fig in made.values():
         (ax,) = fig.axes

@@ -20,6 +20,7 @@ import math
 import statistics
 import tomllib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 # What a run's recipe may differ in and still be a seed of the same arm.
@@ -41,8 +42,7 @@ class Run:
     def loss(self) -> str:
         loss = self.config.get("loss", {})
         kind = loss.get("type", "m2po")
-        detail = {"m2po": "tau", "m2po_cap": "tau"}.get(kind)
-        return f"{kind} tau={loss['tau']:g}" if detail and "tau" in loss else kind
+        return f"{kind} tau={loss['tau']:g}" if "tau" in loss else kind
 
     @property
     def staleness(self) -> str:
@@ -68,6 +68,11 @@ class Run:
     def task_key(self) -> str:
         return json.dumps(self.config.get("data", {}), sort_keys=True)
 
+    @cached_property
+    def summary(self) -> dict:
+        """The run's numbers (the table's row), computed once."""
+        return summary(self)
+
 
 def read_run(path: Path) -> Run:
     """A run directory's recipe and steps. Raises CompareError naming the file and the fault."""
@@ -78,9 +83,9 @@ def read_run(path: Path) -> Run:
         config = tomllib.loads(config_path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise CompareError(f"{config_path}: not a valid run config ({e})") from None
-    if not metrics_path.is_file() or not metrics_path.read_text().strip():
+    text = metrics_path.read_text() if metrics_path.is_file() else ""
+    if not text.strip():
         raise CompareError(f"{metrics_path}: no steps logged")
-    text = metrics_path.read_text()
     if not text.endswith("\n"):
         raise CompareError(f"{metrics_path}: its last line is cut short (a killed run; resume it to repair)")
     steps = []
@@ -156,9 +161,9 @@ def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
     return out
 
 
-def arm_summary(label: str, members: list[Run]) -> dict:
-    """An arm's numbers: each the mean over its seeds, with the standard error (None for one seed)."""
-    rows = [summary(r) for r in members]
+def arm_summary(label: str, rows: list[dict]) -> dict:
+    """An arm's numbers from its runs' `summary` rows: each the mean over its seeds, with the
+    standard error (None for one seed)."""
     out: dict = {"arm": label, "runs": [r["run"] for r in rows], "seeds": [r["seed"] for r in rows]}
     out |= {
         "loss": rows[0]["loss"],
@@ -172,12 +177,11 @@ def arm_summary(label: str, members: list[Run]) -> dict:
     return out
 
 
-def compare(paths: list[Path]) -> dict:
+def compare(runs: list[Run]) -> dict:
     """Everything `m2po compare` shows, as plain numbers (its `--json`)."""
-    runs = read_runs(paths)
     return {
-        "runs": [summary(r) for r in runs],
-        "arms": [arm_summary(label, members) for label, members in group(runs)],
+        "runs": [run.summary for run in runs],
+        "arms": [arm_summary(label, [r.summary for r in members]) for label, members in group(runs)],
     }
 
 
@@ -202,14 +206,14 @@ FIGURES = {
 }
 
 
-def figures(paths: list[Path]):
+def figures(runs: list[Run]):
     """One matplotlib figure per entry of FIGURES: a line per arm, a band over its seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = group(read_runs(paths))
+    arms = group(runs)
     out = {}
     for name, (key, ylabel, scale) in FIGURES.items():
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
@@ -222,9 +226,7 @@ def figures(paths: list[Path]):
                 )
         ax.set_xlabel("optimizer updates")
         ax.set_ylabel(ylabel)
-        ax.set_title(
-            f"{ylabel.split(' (')[0]}, mean over {window(min(len(r.steps) for _, m in arms for r in m))}-step windows"
-        )
+        ax.set_title(f"{ylabel.split(' (')[0]}, mean over windows of a tenth of the steps")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
@@ -232,12 +234,12 @@ def figures(paths: list[Path]):
     return out
 
 
-def write_figures(paths: list[Path], folder: Path) -> list[Path]:
+def write_figures(runs: list[Run], folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, fig in figures(paths).items():
+    for name, fig in figures(runs).items():
         path = folder / f"{name}.png"
         fig.savefig(path)
         plt.close(fig)
@@ -295,10 +297,10 @@ def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> N
 
     from m2po_cli.inspection.report import print_whole
 
-    paths = [Path(p) for p in run_dirs]
-    report = compare(paths)
+    runs = read_runs([Path(p) for p in run_dirs])
+    report = compare(runs)
     if plot_dir is not None:
-        report["plots"] = [str(p) for p in write_figures(paths, Path(plot_dir))]
+        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir))]
     console = Console()
     if as_json:
         console.file.write(json.dumps(report, indent=1) + "\n")

@@ -244,8 +244,9 @@ def distribute(
     `row_B` order.
 
     A collective: every rank passes its own pack (empty if it generated nothing). Every rank's row
-    numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Six all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta`
-    stays with the rank that holds it. Tensors travel on the GPU when there is one (`transfer_device`).
+    numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Six
+    all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta` stays
+    with the rank that holds it. Tensors travel on the GPU when there is one (`transfer_device`).
     Rows are distributed before the learner scores them, so `learner_R` does not travel.
     """
     assert not pack.learner_R.numel(), "distribute rows before scoring them"
