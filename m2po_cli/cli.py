@@ -50,7 +50,7 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         click.echo(to_toml(resolved), nl=False)
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    problem = resolved.rollout.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    problem = resolved.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if problem:  # before anything starts; a dry run does not know the launch
         _fail(f"{recipe}: {problem}")
     _route_third_party(resolved.run_dir, verbose)

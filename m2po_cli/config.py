@@ -284,6 +284,57 @@ class TrainConfig(Table):
     activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
 
 
+class ParallelConfig(Table):
+    """How the learner's ranks hold the model. FSDP2 shards it over `dp_shard` consecutive ranks;
+    `dp_replicate` such groups each hold a whole copy (HSDP): parameters are gathered within a group,
+    and only the gradients cross between groups, once per optimizer update. Shard within a node and
+    replicate across nodes, and the per-layer gathers never leave a node."""
+
+    dp_replicate: int = field(
+        1, "Replicas of the sharded model (HSDP); 1 shards over every rank (FSDP).", ge=1
+    )
+    dp_shard: int = field(
+        -1,
+        "Ranks each replica shards the model over; -1: every rank of a replica (WORLD_SIZE / dp_replicate).",
+        ge=-1,
+    )
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> ParallelConfig:
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard: must be >= 1, or -1 for every rank of a replica (got 0)")
+        return self
+
+    def degrees(self, world: int) -> tuple[int, int]:
+        """(replicate, shard) for a launch of `world` processes; `launch_problem` must be None."""
+        return self.dp_replicate, world // self.dp_replicate if self.dp_shard == -1 else self.dp_shard
+
+    def launch_problem(self, world: int, local_world: int | None = None) -> str | None:
+        """What keeps a launch of `world` processes, `local_world` on each node (None: all on one), from
+        taking these degrees, or None. A shard group is `dp_shard` consecutive ranks, and torchrun
+        numbers ranks node by node, so a group must hold whole nodes or a node whole groups."""
+        replicate, shard = self.dp_replicate, self.dp_shard
+        if shard == -1:
+            if world % replicate:
+                return (
+                    f"parallel.dp_replicate: {replicate} does not divide the {world} process(es) of this "
+                    "launch (WORLD_SIZE)"
+                )
+            shard = world // replicate
+        elif replicate * shard != world:
+            return (
+                f"parallel: dp_replicate {replicate} x dp_shard {shard} = {replicate * shard} ranks, but this "
+                f"launch has {world} process(es) (WORLD_SIZE)"
+            )
+        local = world if local_world is None else local_world
+        if shard % local and local % shard:
+            return (
+                f"parallel.dp_shard: a shard group of {shard} ranks would split the {local} process(es) of a "
+                f"node unevenly; use a divisor or a multiple of {local} (LOCAL_WORLD_SIZE)"
+            )
+        return None
+
+
 class OptimConfig(Table):
     lr: float = field(1e-6, "AdamW learning rate.", gt=0)
     weight_decay: float = field(0.01, "AdamW weight decay.", ge=0)
@@ -366,6 +417,9 @@ class Recipe(Table):
     reward: RewardConfig = field(RewardConfig(), "What scores a response: the math grader or a function.")
     loss: LossConfig = field(M2POLoss(), "Policy loss; `type` selects the loss.")
     train: TrainConfig = field(TrainConfig(), "Batching of the learner.")
+    parallel: ParallelConfig = field(
+        ParallelConfig(), "How the learner's ranks shard and replicate the model."
+    )
     optim: OptimConfig = field(OptimConfig(), "Optimizer and schedule.")
     staleness: StalenessConfig = field(StalenessConfig(), "Staleness injection.")
     checkpoint: CheckpointConfig = field(CheckpointConfig(), "Checkpoints and export.")
@@ -423,6 +477,13 @@ class Recipe(Table):
     def prompts_per_update(self) -> int:
         """Prompts (groups) in one optimizer update: a mini-batch, or the whole rollout batch."""
         return self.train.mini_batch_prompts or self.rollout.prompts_per_step
+
+    def launch_problem(self, world: int, local_world: int | None = None) -> str | None:
+        """What keeps a launch of `world` processes, `local_world` on each node, from running this
+        recipe (the engines' and the learner's layouts), or None. Cheap: checked before anything starts."""
+        return self.rollout.launch_problem(world, local_world) or self.parallel.launch_problem(
+            world, local_world
+        )
 
     @property
     def updates_per_step(self) -> int:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -39,7 +39,7 @@ from m2po_cli.hf_weights import HFWeights
 from m2po_cli.logprobs import install_head, score_request
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
-from m2po_cli.titan import ModelArch, load_arch, use_fused_attention
+from m2po_cli.titan import ModelArch, ParallelDims, load_arch, use_fused_attention
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
@@ -48,6 +48,24 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
     if dtype != "bfloat16":
         return None
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def data_parallel_mesh(replicate: int, shard: int, world: int) -> DeviceMesh:
+    """The mesh FSDP2 shards over, from torchtitan's parallel dims: `fsdp` (shard ranks) alone, or
+    `dp_replicate` x `fsdp` for HSDP (gradients reduce-scattered within a shard group, then summed
+    across the replicas)."""
+    dims = ParallelDims(
+        dp_replicate=replicate,
+        dp_shard=shard,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    return dims.get_mesh(["dp_replicate", "fsdp"]) if replicate > 1 else dims.get_mesh("fsdp")
 
 
 class Learner:
@@ -73,7 +91,7 @@ class Learner:
     def _build(self, model_dir: Path) -> torch.nn.Module:
         with torch.device("meta"):
             model = self.arch.build()
-        mesh = init_device_mesh(self.device.type, (self.world,))
+        mesh = data_parallel_mesh(*self.recipe.parallel.degrees(self.world), self.world)
         mp = mixed_precision(resolve_dtype(self.recipe.model.dtype))
         kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
         use_fused_attention(model, self.device.type, bf16=mp is not None)

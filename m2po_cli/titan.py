@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend
 # torchtitan picks the device type (and so NCCL vs gloo, cuda vs cpu meshes) at import time.
 torchtitan.tools.utils.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
+from torchtitan.distributed import ParallelDims  # noqa: E402, F401  (the device type set above)
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config  # noqa: E402

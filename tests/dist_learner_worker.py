@@ -1,5 +1,7 @@
 """Run by tests/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
 
+    python tests/dist_learner_worker.py OUT [KEY=VALUE ...]   (recipe overrides, e.g. HSDP degrees)
+
 Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
 writes its gathered HF state dict, its metrics, the gradient of each update (HF names) and its rows'
 behaviour-version scores to OUT/rank<r>.pt.
@@ -54,9 +56,9 @@ def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollou
     return pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
 
 
-def main(out: Path) -> None:
+def main(out: Path, extra: list[str]) -> None:
     torch.set_num_threads(1)
-    recipe = load_recipe(QUICKSTART, OVERRIDES)
+    recipe = load_recipe(QUICKSTART, OVERRIDES + extra)
     learner = Learner(resolve_model(recipe.model.path), recipe)
     loss_fn = build_loss(recipe.loss)
     # Step 0 is recorded (quickstart: every 10th step, every row): each rank scores the rows it holds.
@@ -96,4 +98,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -302,6 +302,55 @@ def test_tensor_parallel_size_that_does_not_divide_the_launch_fails_before_anyth
     assert dry.returncode == 0, dry.stderr
 
 
+@pytest.mark.parametrize(
+    "sets, env, problem",
+    [
+        # 3 replicas of 4 ranks: 2 nodes of 4 processes hold 8.
+        (
+            ["parallel.dp_replicate=3"],
+            {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+            "parallel.dp_replicate: 3 does not divide the 8 process(es) of this launch (WORLD_SIZE)",
+        ),
+        (
+            ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+            {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"},
+            "parallel: dp_replicate 2 x dp_shard 2 = 4 ranks, but this launch has 8 process(es) (WORLD_SIZE)",
+        ),
+        # Groups of 3 consecutive ranks over nodes of 2: the second group holds half of two nodes.
+        (
+            ["parallel.dp_replicate=2", "parallel.dp_shard=3"],
+            {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2"},
+            "parallel.dp_shard: a shard group of 3 ranks would split the 2 process(es) of a node unevenly",
+        ),
+    ],
+)
+def test_parallel_degrees_that_do_not_fit_the_launch_fail_before_anything_starts(
+    tmp_path, sets, env, problem
+):
+    args = [a for kv in sets for a in ("--set", kv)] + ["--set", f'run.output_dir="{tmp_path}"']
+    proc = _cli("train", str(QUICKSTART), *args, env=env)
+    assert _one_line_problem(proc, f"{QUICKSTART}: {problem}") is None, _one_line_problem(proc, problem)
+    assert not (tmp_path / "quickstart").exists(), "the run started before the launch was checked"
+
+
+def test_parallel_degrees_that_fit():
+    recipe = load_recipe(QUICKSTART)
+    assert recipe.parallel.degrees(8) == (1, 8)  # the default: FSDP over every rank
+    hsdp = load_recipe(QUICKSTART, ["parallel.dp_replicate=2"]).parallel
+    assert hsdp.degrees(8) == (2, 4) and hsdp.launch_problem(8, 4) is None
+    # A shard group may span whole nodes (a model too large for one), or a node hold several groups.
+    assert (
+        load_recipe(QUICKSTART, ["parallel.dp_replicate=2", "parallel.dp_shard=8"]).launch_problem(16, 4)
+        is None
+    )
+    assert (
+        load_recipe(QUICKSTART, ["parallel.dp_replicate=4", "parallel.dp_shard=2"]).launch_problem(8, 4)
+        is None
+    )
+    with pytest.raises(ConfigError, match="parallel.dp_shard: must be >= 1, or -1"):
+        load_recipe(QUICKSTART, ["parallel.dp_shard=0"])
+
+
 # --- --set overrides -----------------------------------------------------------------------------
 
 

@@ -25,11 +25,11 @@ WORKER = Path(__file__).with_name("dist_learner_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_worker(out: Path, nproc: int) -> None:
+def run_worker(out: Path, nproc: int, *overrides: str) -> None:
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if nproc == 1:
-        cmd = [sys.executable, str(WORKER), str(out)]
+        cmd = [sys.executable, str(WORKER), str(out), *overrides]
     else:
         cmd = [
             sys.executable,
@@ -39,15 +39,24 @@ def run_worker(out: Path, nproc: int) -> None:
             f"--nproc-per-node={nproc}",
             str(WORKER),
             str(out),
+            *overrides,
         ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.slow
-def test_fsdp_two_ranks_equal_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],  # FSDP: the model sharded over both ranks
+        ["parallel.dp_replicate=2"],  # HSDP: two whole replicas, gradients summed across them
+    ],
+    ids=["fsdp", "hsdp"],
+)
+def test_two_ranks_equal_one_process(tmp_path, layout):
     run_worker(tmp_path / "one", 1)
-    run_worker(tmp_path / "two", 2)
+    run_worker(tmp_path / "two", 2, *layout)
     single = torch.load(tmp_path / "one" / "rank0.pt")
     rank0 = torch.load(tmp_path / "two" / "rank0.pt")
     rank1 = torch.load(tmp_path / "two" / "rank1.pt")

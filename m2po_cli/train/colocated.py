@@ -9,6 +9,7 @@ step's last update, which wakes them.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import ExitStack
@@ -44,7 +45,7 @@ class ColocatedSource:
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
         """Cheap checks before anything starts."""
-        problem = recipe.rollout.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if problem:
             raise RunError(problem)
 
@@ -184,7 +185,8 @@ def generate_share(
     launcher needs the same prompts on each), graded and packed by the group's first rank, the
     others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
     are the slowest engine's (`time/generate`) and the slowest grader's (`time/grade`), the tokens
-    every engine's (`rollout/generated_tokens`).
+    every engine's (`rollout/generated_tokens`) and the busiest and idlest engine's
+    (`rollout/engine_tokens_max`, `_min`: a straggler, or an engine that generated nothing).
     """
     tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
     engine_group, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
@@ -202,14 +204,18 @@ def generate_share(
             learner.version, share.start * n, tokens, groups, rewards_PG, a.normalize_std, a.std_eps
         )
     t_grade = time.perf_counter() - t0 - t_gen
-    slowest = all_reduce(torch.tensor([t_gen, t_grade], dtype=torch.float64), dist.ReduceOp.MAX)
-    generated = all_reduce(
-        torch.tensor([float(batch.response_len_B.sum())], dtype=torch.float64), dist.ReduceOp.SUM
-    )
+    # One MAX reduction gives the slowest times and the busiest and idlest engine (max of -tokens);
+    # only a group's first rank speaks for its engine.
+    tokens = float(batch.response_len_B.sum())
+    engine = [tokens, -tokens] if learner.rank % tp == 0 else [-math.inf, -math.inf]
+    largest = all_reduce(torch.tensor([t_gen, t_grade, *engine], dtype=torch.float64), dist.ReduceOp.MAX)
+    generated = all_reduce(torch.tensor([tokens], dtype=torch.float64), dist.ReduceOp.SUM)
     batch.meta = {
-        "time/generate": float(slowest[0]),
-        "time/grade": float(slowest[1]),
+        "time/generate": float(largest[0]),
+        "time/grade": float(largest[1]),
         "rollout/generated_tokens": float(generated[0]),
+        "rollout/engine_tokens_max": float(largest[2]),
+        "rollout/engine_tokens_min": -float(largest[3]),
     }
     return batch
 

@@ -2,7 +2,7 @@
 
 Layout of `runs/<name>/`:
     config.toml        the fully resolved recipe
-    meta.json          versions, git revision, command line, world size
+    meta.json          versions, git revision, command line, world size and nodes of every start
     metrics.jsonl      one JSON object per step
     samples.jsonl      responses of some steps, as text (`logging.samples`)
     checkpoints/       DCP checkpoints, `step-NNNNNN/` (see checkpoint.py)
@@ -66,6 +66,14 @@ def forget_steps_from(path: Path, first_step: int) -> list[dict]:
     return [json.loads(line) for line in kept]
 
 
+def earlier_launches(meta_path: Path) -> list[dict]:
+    """The starts an earlier `meta.json` records (none if it is missing or torn by a kill)."""
+    try:
+        return list(json.loads(meta_path.read_text()).get("launches", []))
+    except (OSError, ValueError):
+        return []
+
+
 class RunLog:
     """Writes the run directory (rank 0 only) and shows progress."""
 
@@ -75,14 +83,22 @@ class RunLog:
         self.console = Console(stderr=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(recipe))
+        # Every start of the run (a resume may run on another number of nodes), oldest first.
+        launch = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world_size": world_size,
+            "nodes": world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        }
+        meta_path = run_dir / "meta.json"
+        launches = earlier_launches(meta_path)
         meta = {
             "versions": versions(),
             "git_revision": git_revision(),
             "command": sys.argv,
-            "world_size": world_size,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **launch,
+            "launches": [*launches, launch],
         }
-        (run_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         self.wandb = self._init_wandb() if recipe.logging.wandb else None
         self.progress: Progress | None = None
         self.rewards: list[float] = []
