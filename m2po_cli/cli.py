@@ -67,6 +67,37 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         _fail(str(e))
 
 
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option(
+    "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe key (repeatable)."
+)
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address the server listens on.")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port the server listens on.")
+def serve(recipe: str, overrides: tuple[str, ...], host: str, port: int) -> None:
+    """Run one rollout engine for RECIPE's separate mode, for a run to attach (rollout.servers).
+
+    `vllm serve` with the settings a run gives the engines it starts itself: the recipe's model,
+    lengths and engine keys, the routes and worker extension the run needs. Job scripts start one
+    per engine node (scripts/slurm/separate.sbatch)."""
+    from m2po_cli.device import resolve_dtype
+    from m2po_cli.models import ModelError, check_model_dir, resolve_model
+    from m2po_cli.rollout.server import serve_command, server_env
+
+    try:
+        resolved = load_recipe(recipe, list(overrides))
+        model_dir = resolve_model(resolved.model.path)
+        check_model_dir(model_dir)
+    except (ConfigError, ModelError) as e:
+        _fail(str(e))
+    cfg = resolved.rollout
+    cmd = serve_command(
+        model_dir, cfg, resolve_dtype(resolved.model.dtype), resolved.max_model_len, port, host
+    )
+    click.echo(f"serving {resolved.model.path} for {recipe} on {host}:{port}", err=True)
+    os.execvpe(cmd[0], cmd, server_env(None))
+
+
 @main.command(name="eval")
 @click.argument("checkpoints", nargs=-1, required=True, metavar="CKPT...")
 @click.option(

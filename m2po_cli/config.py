@@ -162,6 +162,23 @@ class RolloutConfig(Table):
     server_start_timeout_s: float = field(
         600.0, "Separate mode: seconds a started server may take to answer /health.", gt=0
     )
+    attach_wait_s: float = field(
+        0.0,
+        "Separate mode, rollout.servers: seconds to wait for each server to answer /health before it is "
+        "checked (engines a job script starts beside the run); 0 checks at once.",
+        ge=0,
+    )
+    transport_address: str = field(
+        "",
+        "Separate mode, nccl transport: the address of learner rank 0 that every engine host can reach "
+        "(the NCCL rendezvous); empty: loopback when every server is local, else this host's address.",
+    )
+    rendezvous_timeout_s: float = field(
+        60.0,
+        "Separate mode, nccl transport: seconds each engine has to reach the rendezvous before the "
+        "first sync; one that does not stops the run, named.",
+        gt=0,
+    )
     request_timeout_s: float = field(
         1800.0,
         "Separate mode: seconds one rollout request may take, and the longest the learner waits with no "

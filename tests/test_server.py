@@ -144,6 +144,20 @@ def test_version_mismatch_stops_with_a_clear_message(served):
     server.check_version(learner.version)
 
 
+def test_an_engine_that_cannot_reach_the_rendezvous_is_named_before_the_first_sync(served):
+    from m2po_cli.rollout.nccl import check_rendezvous
+
+    _, server, _ = served
+    check_rendezvous([server], "127.0.0.1", 5.0)  # its worker connects to the learner's listener
+    # TEST-NET-1 (RFC 5737) is never assigned to a host: the connection cannot succeed.
+    with pytest.raises(EngineError) as caught:
+        check_rendezvous([server], "192.0.2.1", 1.0)
+    message = str(caught.value)
+    assert message.startswith(f"rollout server(s) {server.url} (")
+    assert "could not reach the weight transport's rendezvous at 192.0.2.1 within 1 s" in message
+    assert "\n" not in message
+
+
 class Versions:
     """The learner's weights at each version it pushed, to score tokens under the version that
     sampled them."""

@@ -104,3 +104,19 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
             transport.close()
     finally:
         server.close()
+
+
+def test_the_rendezvous_address_is_one_the_engines_can_reach():
+    from m2po_cli.rollout.nccl import rendezvous_address
+    from m2po_cli.rollout.server import EngineError, EngineServer
+
+    local = [EngineServer("http://127.0.0.1:8001"), EngineServer("http://localhost:8002")]
+    remote = [EngineServer("http://127.0.0.1:8001"), EngineServer("http://gpu-node-7:8000")]
+    assert rendezvous_address(local) == "127.0.0.1"
+    assert rendezvous_address(remote, "10.0.0.5") == "10.0.0.5"
+    with pytest.raises(
+        EngineError,
+        match=r"^rollout.transport_address 127.0.0.1, a loopback address the "
+        r"engines on other hosts \(http://gpu-node-7:8000\) cannot reach",
+    ):
+        rendezvous_address(remote, "127.0.0.1")

@@ -94,15 +94,28 @@ def learner_source(learner, dtype: torch.dtype):
 class NcclWeightTransport(WeightTransport):
     """vLLM's NCCL weight-transfer engine (GPUs only). A collective to build: every rank calls it."""
 
-    def __init__(self, rank, sync_every, dtype, swap, learner, servers: list[EngineServer] | None):
+    def __init__(
+        self,
+        rank,
+        sync_every,
+        dtype,
+        swap,
+        learner,
+        servers: list[EngineServer] | None,
+        address: str = "",
+        rendezvous_timeout_s: float = 60.0,
+    ):
         super().__init__(rank, sync_every, dtype, swap)
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         self.client = None
         world_sizes = [s.world_size() for s in servers] if servers else []
+        address = rendezvous_address(servers or [], address)
+        if rank == 0:  # the servers must reach rank 0, or NCCL's rendezvous waits without a word
+            check_rendezvous(servers, address, rendezvous_timeout_s)
         info = NCCLTrainerInitInfo(
-            master_address=_address_for(servers or []),
+            master_address=address,
             master_port=free_port() if rank == 0 else 0,
             world_size=1 + sum(world_sizes),
             packed=True,
@@ -132,9 +145,42 @@ class NcclWeightTransport(WeightTransport):
         self.engine.shutdown()
 
 
-def _address_for(servers: list[EngineServer]) -> str:
-    """The address the servers reach the learner's rank 0 at: loopback when they all run here."""
-    local = ("http://127.0.0.1", "http://localhost")
-    if all(s.url.startswith(local) for s in servers):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+LOOPBACK_URLS = ("http://127.", "http://localhost", "http://[::1]")
+
+
+def rendezvous_address(servers: list[EngineServer], address: str = "") -> str:
+    """The address the servers reach the learner's rank 0 at (`rollout.transport_address` when
+    given): loopback when they all run here, else this host's address, which must not be loopback."""
+    remote = [s.url for s in servers if not s.url.startswith(LOOPBACK_URLS)]
+    if not address:
+        address = socket.gethostbyname(socket.gethostname()) if remote else "127.0.0.1"
+        name = f"this host's name ({socket.gethostname()}) resolves to {address}"
+    else:
+        name = f"rollout.transport_address {address}"
+    if remote and (address.startswith("127.") or address in ("localhost", "::1")):
+        raise EngineError(
+            f"{name}, a loopback address the engines on other hosts ({', '.join(remote)}) cannot reach: "
+            "set rollout.transport_address to an address of this host on their network"
+        )
+    return address
+
+
+def check_rendezvous(servers: list[EngineServer], address: str, timeout_s: float) -> None:
+    """Before the first sync: each server's engine opens a connection to `address`, where learner rank
+    0 listens, within `timeout_s`. An engine that cannot stops the run here, named with the reason,
+    instead of a NCCL rendezvous that waits for it until the collective timeout."""
+    with socket.create_server(("", 0), backlog=max(8, len(servers))) as listener:
+        port = listener.getsockname()[1]
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            answers = list(
+                pool.map(
+                    lambda s: s.collective_rpc("m2po_reach", address, str(port), str(timeout_s)), servers
+                )
+            )
+    failed = [f"{s.url} ({why})" for s, why in zip(servers, answers, strict=True) if why]
+    if failed:
+        raise EngineError(
+            f"rollout server(s) {', '.join(failed)} could not reach the weight transport's rendezvous at "
+            f"{address} within {timeout_s:g} s: set rollout.transport_address to an address of learner "
+            "rank 0 that every engine host can reach"
+        )

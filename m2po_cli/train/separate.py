@@ -162,7 +162,16 @@ def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer |
         from m2po_cli.rollout.nccl import NcclWeightTransport
 
         servers = producer.servers if producer is not None else None
-        return NcclWeightTransport(learner.rank, cfg.sync_every, dtype, swap, learner, servers)
+        return NcclWeightTransport(
+            learner.rank,
+            cfg.sync_every,
+            dtype,
+            swap,
+            learner,
+            servers,
+            cfg.transport_address,
+            cfg.rendezvous_timeout_s,
+        )
     return ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
 
 
@@ -179,6 +188,8 @@ def start_servers(
         say(f"checking the rollout server(s): {', '.join(cfg.servers)}")
         servers = [EngineServer(url) for url in cfg.servers]
         for s in servers:
+            if cfg.attach_wait_s:  # started by a job script at the same time as the run
+                s.wait_ready(cfg.attach_wait_s)
             s.check(signature, recipe.max_model_len)
         return servers
     wait = f"{cfg.server_start_timeout_s:.0f} s"
