@@ -91,7 +91,8 @@ class Learner:
     def _build(self, model_dir: Path) -> torch.nn.Module:
         with torch.device("meta"):
             model = self.arch.build()
-        mesh = data_parallel_mesh(*self.recipe.parallel.degrees(self.world), self.world)
+        self.replicas, shard = self.recipe.parallel.degrees(self.world)
+        mesh = data_parallel_mesh(self.replicas, shard, self.world)
         mp = mixed_precision(resolve_dtype(self.recipe.model.dtype))
         kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
         use_fused_attention(model, self.device.type, bf16=mp is not None)
@@ -231,14 +232,14 @@ class Learner:
                 self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
-        for index, part, lp in self._forwards(batch):
+        for index, part, lp, last in self._forwards(batch):
             length = part.tokens_BL.shape[1]
             seen_log_ratio_BL[index, :length] = (
                 lp.detach().cpu() - part.behaviour_logprobs_BL
             ) * part.mask_BL
             aux = aux_BL[index, :length].to(self.device) if aux_BL is not None else None
             loss, m = self._loss(loss_fn, lp, part, aux, num_tokens)
-            loss.backward()
+            self._backward(loss, last)
             _add(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
         return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
 
@@ -250,14 +251,14 @@ class Learner:
         come from the saved logprobs and the exact mask, as `score_first` gives them."""
         provisional_BL = torch.zeros_like(batch.mask_BL, dtype=torch.bool)
         current_BL = torch.zeros_like(batch.mask_BL)
-        for index, part, lp in self._forwards(batch):
+        for index, part, lp, last in self._forwards(batch):
             length = part.tokens_BL.shape[1]
             current_BL[index, :length] = lp.detach().cpu()
             log_ratio_BL = (current_BL[index, :length] - part.behaviour_logprobs_BL) * part.mask_BL
             keep_BL = self._provisional_keep(log_ratio_BL, part)
             provisional_BL[index, :length] = keep_BL
             loss, _ = self._loss(loss_fn, lp, part, keep_BL.to(self.device), num_tokens)
-            loss.backward()
+            self._backward(loss, last)
         log_ratio_BL = (current_BL - batch.behaviour_logprobs_BL) * batch.mask_BL
         keep_BL, metrics = loss_fn.prepare(
             log_ratio_BL, batch.advantages_BL, batch.mask_BL, group=dist.group.WORLD, rows_B=batch.rows_B
@@ -300,9 +301,9 @@ class Learner:
         weight_KL = correction_weights(change_BL, log_ratio_BL, batch.advantages_BL, num_tokens)[rows_K]
         mask_KL = (change_BL[rows_K] != 0).float()  # only the changed tokens are scored
         fix = Batch(batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K)
-        for index, _, lp in self._forwards(fix):
+        for index, _, lp, last in self._forwards(fix):
             weight = weight_KL[index, : lp.shape[1]].to(self.device)
-            (-(lp * weight).sum()).backward()
+            self._backward(-(lp * weight).sum(), last)
         return share[0]
 
     def _loss(self, loss_fn, lp, part, aux, num_tokens):
@@ -315,20 +316,28 @@ class Learner:
             num_tokens,
         )
 
-    def _forwards(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor]]:
-        """(row index, rows, logprobs with grad) per micro-batch; the caller runs the backward. A rank
-        with fewer micro-batches than another runs an idle forward and backward for each missing one."""
-        for index in self.micro_batches(batch):
+    def _forwards(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, bool]]:
+        """(row index, rows, logprobs with grad, whether it is the last) per micro-batch; the caller
+        runs the backward (`_backward`). A rank with fewer micro-batches than another runs an idle
+        forward and backward for each missing one."""
+        parts = self.micro_batches(batch)
+        for i, index in enumerate(parts):
+            last = i == len(parts) - 1  # every rank runs the same count
             if not index.numel():
-                self._idle_backward()
+                lp, _ = self.forward_logprobs(IDLE)
+                self._backward(lp.sum() * 0.0, last)  # this rank's share of FSDP2's collectives
                 continue
             part = batch.take(index)
             lp, _ = self.forward_logprobs(part)
-            yield index, part, lp
+            yield index, part, lp, last
 
-    def _idle_backward(self) -> None:
-        lp, _ = self.forward_logprobs(IDLE)
-        (lp.sum() * 0.0).backward()  # this rank's share of FSDP2's collectives
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate `loss`'s gradient. With replicas (HSDP) the gradients cross between them only at
+        the last micro-batch of a pass: the earlier ones are reduce-scattered within the shard group
+        and summed there, so the network between nodes carries them once per pass, not per micro-batch."""
+        if self.replicas > 1:
+            self.model.set_requires_all_reduce(last)
+        loss.backward()
 
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

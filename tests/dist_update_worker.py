@@ -65,12 +65,12 @@ def update_noise(batch: Batch, update: int) -> torch.Tensor:
     return noise_BL * batch.mask_BL
 
 
-def main(out: Path) -> None:
+def main(out: Path, extra: list[str]) -> None:
     torch.set_num_threads(1)
     loss_fn = build_loss(load_recipe(QUICKSTART, OVERRIDES).loss)
     results = {}
     for name, provisional_z in CASES.items():
-        recipe = load_recipe(QUICKSTART, [*OVERRIDES, f'train.global_pass="{name.split()[0]}"'])
+        recipe = load_recipe(QUICKSTART, [*OVERRIDES, *extra, f'train.global_pass="{name.split()[0]}"'])
         model_dir = resolve_model(recipe.model.path)
         learner = Learner(model_dir, recipe)
         if provisional_z is not None:
@@ -106,4 +106,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2:])  # OUT [KEY=VALUE ...]: recipe overrides (HSDP degrees)

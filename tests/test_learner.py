@@ -121,14 +121,14 @@ def test_hf_export_reloads_in_transformers(tmp_path):
 UPDATE_WORKER = Path(__file__).with_name("dist_update_worker.py")
 
 
-def run_update_worker(out: Path, nproc: int) -> list[dict]:
+def run_update_worker(out: Path, nproc: int, *overrides: str) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launch = [sys.executable] + (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     )
     done = subprocess.run(
-        [*launch, str(UPDATE_WORKER), str(out)],
+        [*launch, str(UPDATE_WORKER), str(out), *overrides],
         env=env,
         capture_output=True,
         text=True,
@@ -235,8 +235,13 @@ def test_correct_after_equals_score_first(tmp_path):
 
 
 @pytest.mark.slow
-def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path):
-    rank0, rank1 = run_update_worker(tmp_path / "two", 2)
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["parallel.dp_replicate=2"]],  # HSDP: the correction's pass crosses between replicas too
+    ids=["fsdp", "hsdp"],
+)
+def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path, layout):
+    rank0, rank1 = run_update_worker(tmp_path / "two", 2, *layout)
     assert_correct_after_equals_score_first(rank0, update_recipe())
     assert_auto_bounds_the_correction(rank0)
     for name, steps in rank0.items():
