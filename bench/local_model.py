@@ -36,6 +36,10 @@ QWEN3_0_6B = Qwen3Shape(1024, 28, 16, 8, 128, 3072, 151_936)
 QWEN3_8B = Qwen3Shape(
     4096, 36, 32, 8, 128, 12_288, 151_936, tie_word_embeddings=False, max_position_embeddings=40_960
 )
+# Qwen2.5-32B's shapes (its q/k/v biases, 0.01% of the parameters, left out): network arithmetic only.
+QWEN25_32B = Qwen3Shape(
+    5120, 64, 40, 8, 128, 27_648, 152_064, tie_word_embeddings=False, max_position_embeddings=32_768
+)
 # Small enough to train a few steps on a CPU; big enough that a weight push moves ~100 MB.
 CPU_BENCH = Qwen3Shape(512, 8, 8, 4, 64, 2048, 16_384)
 # The size the CPU mode of the GPU check runs at.
