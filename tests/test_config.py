@@ -67,6 +67,24 @@ def test_every_recipe_has_its_grpo_twin():
     assert sorted(RECIPES) == sorted(M2PO_RECIPES + [grpo_twin(p) for p in M2PO_RECIPES])
 
 
+REPRODUCE = sorted((ROOT / "recipes" / "reproduce").glob("*.toml"))
+
+
+def test_the_reproduction_arms_differ_only_in_loss_and_staleness():
+    """The paper's four arms: GRPO on- and off-policy, no trust region and M2PO at the same s."""
+    trees = {p.stem: tomllib.loads(p.read_text()) for p in REPRODUCE}
+    assert sorted(trees) == ["grpo-s0", "grpo-s16", "m2po-s16", "no-tr-s16"]
+    for name, tree in trees.items():
+        recipe = load_recipe(ROOT / "recipes" / "reproduce" / f"{name}.toml")
+        assert (recipe.run.name, recipe.loss.type) == (name, name.rsplit("-s", 1)[0].replace("-", "_"))
+        assert recipe.staleness.s == int(name.rsplit("-s", 1)[1])
+        for key in ("loss", "staleness"):
+            tree.pop(key)
+        tree["run"].pop("name")
+    first, *rest = trees.values()
+    assert all(tree == first for tree in rest)
+
+
 @pytest.mark.parametrize("m2po_path", M2PO_RECIPES, ids=lambda p: p.stem)
 def test_grpo_twin_differs_only_in_loss(m2po_path: Path):
     grpo_path = grpo_twin(m2po_path)
