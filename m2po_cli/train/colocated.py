@@ -23,7 +23,6 @@ from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce
-from m2po_cli.errors import RunError
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
@@ -44,10 +43,7 @@ class ColocatedSource:
 
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
-        """Cheap checks before anything starts."""
-        problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if problem:
-            raise RunError(problem)
+        """Nothing of its own: the loop checks the launch (`Recipe.launch_problem`) for every mode."""
 
     def __init__(
         self,

@@ -76,7 +76,11 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     model_dir = resolve_model(recipe.model.path)
     # Cheap checks before anything expensive starts: the model's files, the launch, the prompt set.
     check_model_dir(model_dir)
-    source_type.check(recipe, int(os.environ.get("WORLD_SIZE", 1)))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if problem:
+        raise RunError(problem)
+    source_type.check(recipe, world)
     if recipe.reward.function:
         load_reward(recipe.reward.function)
     problems = (

@@ -12,7 +12,6 @@ keeps the bound).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,7 +23,6 @@ from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype, torch_dtype
-from m2po_cli.errors import RunError
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
@@ -46,11 +44,7 @@ class SeparateSource:
 
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
-        """Cheap checks before anything starts: the learner's layout against the launch; nccl without
-        CUDA stops here."""
-        problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if problem:
-            raise RunError(problem)
+        """Cheap checks before anything starts: nccl without CUDA stops here."""
         resolve_transport(recipe.rollout.weight_transport)
 
     def __init__(
