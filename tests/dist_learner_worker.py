@@ -4,7 +4,7 @@
 
 Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
 writes its gathered HF state dict, its metrics, the gradient of each update (HF names) and its rows'
-behaviour-version scores to OUT/rank<r>.pt.
+behaviour-version scores (sharded, and every row scored by every rank) to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -71,13 +71,24 @@ def main(out: Path, extra: list[str]) -> None:
         )
     )
     for step in range(3):
-        batch = fixed_batch(step, 4, recipe.rollout.n, learner.arch.hf_config["vocab_size"])
+        vocab = learner.arch.hf_config["vocab_size"]
+        batch = fixed_batch(step, 4, recipe.rollout.n, vocab)
         if learner.rank != 0:
             batch = PackedRollouts.empty(batch.version)
         batch = distribute(batch, rows_per_update(recipe))
         score_at_behaviour_version(batch, learner, everything=True)
+        # Every row scored on every rank by the same weights: what the rank's own rows' scores must be.
+        whole = fixed_batch(step, 4, recipe.rollout.n, vocab)
+        rows = whole.to_batch(torch.arange(whole.num_rows))
+        whole_BL = learner.score(rows)[0]
         scored.append(
-            {"row_B": batch.row_B, "learner_R": batch.learner_R, "offsets": batch.response_offsets()}
+            {
+                "row_B": batch.row_B,
+                "learner_R": batch.learner_R,
+                "offsets": batch.response_offsets(),
+                "whole_R": whole_BL[rows.mask_BL.bool()],
+                "whole_offsets": whole.response_offsets(),
+            }
         )
         # Behaviour = the learner's own logprobs, perturbed: ratios away from 1, so M2PO masks. The
         # noise of a token depends on its row and position only, not on which rank holds it.

@@ -75,14 +75,16 @@ def test_two_ranks_equal_one_process(tmp_path, layout):
     # The weights moved, so equality above is not trivial.
     for m_single, m_two in zip(single["metrics"], rank0["metrics"], strict=True):
         assert m_two["loss/num_tokens"] == m_single["loss/num_tokens"]
-        # Second moments of log-ratios of weights equal within 1e-4: equal to a few parts in 1e4.
-        for key in ("m2po/m2_before", "m2po/m2_after"):
-            assert m_two[key] == pytest.approx(m_single[key], rel=1e-3), key
-        assert m_two["optim/grad_norm"] == pytest.approx(m_single["optim/grad_norm"], rel=1e-4)
+        # After the first update the weights may differ by what AdamW makes of float-order gaps
+        # (`bounds`: entries with a near-zero gradient move by up to ~lr either way), so the metrics
+        # of the two runs agree to a percent, not to rounding. A metric of one rank's rows or shard
+        # instead of the whole batch is off by far more.
+        for key in ("m2po/m2_before", "m2po/m2_after", "optim/grad_norm"):
+            assert m_two[key] == pytest.approx(m_single[key], rel=1e-2), key
     assert any(m.get("m2po/num_masked", 0) > 0 for m in single["metrics"]), "nothing masked: a weak test"
     # Scoring at the behaviour version is sharded: each rank scored only its own rows, and together
-    # they scored every row as one process did (exactly at step 0; later the weights themselves
-    # differ by up to 1e-4, above).
+    # they scored every row. At every step each row's scores are those of the run's weights (every
+    # rank also scored every row), and at step 0, where the weights are the same, one process's.
     for step, ref in enumerate(single["scored"]):
         parts = [rank0["scored"][step], rank1["scored"][step]]
         assert sorted(r for p in parts for r in p["row_B"].tolist()) == ref["row_B"].tolist()
@@ -90,9 +92,11 @@ def test_two_ranks_equal_one_process(tmp_path, layout):
         for part in parts:
             for j, row in enumerate(part["row_B"].tolist()):
                 mine = part["learner_R"][part["offsets"][j] : part["offsets"][j + 1]]
-                theirs = ref["learner_R"][ref["offsets"][row] : ref["offsets"][row + 1]]
-                atol = 1e-5 if step == 0 else 1e-3
-                assert torch.allclose(mine, theirs, atol=atol, rtol=0), f"row {row} of step {step}"
+                whole = part["whole_R"][part["whole_offsets"][row] : part["whole_offsets"][row + 1]]
+                assert torch.allclose(mine, whole, atol=1e-5, rtol=0), f"row {row} of step {step}"
+                if step == 0:
+                    theirs = ref["learner_R"][ref["offsets"][row] : ref["offsets"][row + 1]]
+                    assert torch.allclose(mine, theirs, atol=1e-5, rtol=0), f"row {row}, one process"
 
 
 def test_hf_export_reloads_in_transformers(tmp_path):
