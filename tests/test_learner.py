@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from m2po_cli.config import load_recipe
 from m2po_cli.learner import Learner
@@ -252,3 +253,124 @@ def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path, layout):
         for mine, theirs in zip(steps, rank1[name], strict=True):
             assert mine["metrics"] == theirs["metrics"], name
             assert all(torch.equal(v, theirs["state"][k]) for k, v in mine["state"].items()), name
+
+
+def literal_grpo_updates(model_dir: Path, rows: list[tuple[list[int], int, float]], updates, recipe):
+    """The standard GRPO update, written out row by row on the HF model (TRL's and verl's formula):
+    behaviour = the starting policy's logprobs at the sampling temperature; per token
+    -min(r A, clip(r, 1 - eps, 1 + eps) A) summed over the update's response tokens and divided by
+    their count; the gradient norm clipped; AdamW on every parameter. `rows`: (tokens, prompt
+    length, advantage); `updates`: the row numbers of each update. Returns the clipped gradient and
+    the norm before the clip of each update, and the final weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    o, cfg, temperature = recipe.optim, recipe.loss, recipe.rollout.temperature
+    params = [p for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    def response_logprobs(tokens: list[int], prompt_len: int) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        logits = model(ids).logits[0, :-1] / temperature
+        lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        return lp[prompt_len - 1 :]
+
+    with torch.no_grad():
+        behaviour = [response_logprobs(tokens, p) for tokens, p, _ in rows]
+    grads, norms = [], []
+    for update in updates:
+        num_tokens = sum(len(rows[b][0]) - rows[b][1] for b in update)
+        loss = torch.zeros(())
+        for b in update:
+            tokens, prompt_len, advantage = rows[b]
+            ratio = torch.exp(response_logprobs(tokens, prompt_len) - behaviour[b])
+            clipped = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+            loss = loss - torch.minimum(ratio * advantage, clipped * advantage).sum()
+        (loss / num_tokens).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip)))
+        grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grads, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def literal_advantages(rewards: list[float]) -> list[float]:
+    """GRPO's advantage of a group: (r - mean) / (unbiased std + 1e-6), as verl computes it."""
+    mean = sum(rewards) / len(rewards)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+    return [(r - mean) / (std + 1e-6) for r in rewards]
+
+
+@pytest.mark.slow
+def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
+    """The learner's GRPO updates (advantages, temperature, token mean, clip, gradient clip, AdamW)
+    are the standard ones: two updates on one batch, the second off-policy by one update so the clip
+    acts, against `literal_grpo_updates` on the HF model."""
+    from m2po_cli.loss import build_loss
+    from m2po_cli.train.colocated import score_at_behaviour_version
+    from m2po_cli.train.updates import train_on
+    from tests.conftest import no_record
+    from tests.dist_learner_worker import fixed_batch
+
+    recipe = recipe_for(
+        tmp_path,
+        'model.path="builtin:tiny-qwen3"',  # tied embeddings, as SmolLM2's
+        'loss={type="grpo", eps_low=0.2, eps_high=0.2}',
+        "rollout.prompts_per_step=4",
+        "rollout.temperature=0.7",
+        "train.mini_batch_prompts=2",
+        "train.micro_batch_sequences=5",
+        "staleness.s=0",
+        "optim.lr=0.01",
+        "optim.weight_decay=0.01",
+        "optim.grad_clip=0.5",
+        'algorithm.behaviour_logprobs="learner"',
+    )
+    model_dir = resolve_model(recipe.model.path)
+    learner = Learner(model_dir, recipe)
+    batch = fixed_batch(0, 4, recipe.rollout.n, learner.arch.hf_config["vocab_size"])
+    n, offsets, starts = recipe.rollout.n, batch.offsets_B1.tolist(), batch.prompt_len_B.tolist()
+    rewards = batch.rewards_B.tolist()
+    rows = []
+    for b in range(batch.num_rows):
+        group = rewards[b - b % n : b - b % n + n]
+        rows.append(
+            (
+                batch.tokens_N[offsets[b] : offsets[b + 1]].tolist(),
+                starts[b],
+                literal_advantages(group)[b % n],
+            )
+        )
+    assert torch.allclose(batch.advantages_B, torch.tensor([a for _, _, a in rows]), atol=1e-6)
+    grads_U, state = [], None
+    learner.optimizer.register_step_pre_hook(
+        lambda *_: grads_U.append(
+            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
+        )
+    )
+    score_at_behaviour_version(batch, learner, everything=True)
+    metrics = train_on(batch, learner, build_loss(recipe.loss), None, recipe, no_record(tmp_path, learner), 0)
+    state = learner.arch.adapter.to_hf({k: v.full_tensor() for k, v in learner.model.state_dict().items()})
+    half = batch.num_rows // 2
+    ref_grads_U, ref_norms_U, ref_state = literal_grpo_updates(
+        model_dir, rows, [range(half), range(half, 2 * half)], recipe
+    )
+
+    assert len(grads_U) == 2 and metrics["loss/clip_frac"] > 0, "the second update's clip never acted"
+    # The gradient's scale (the token mean), which the clip would hide: the norms before the clip.
+    assert min(ref_norms_U) > recipe.optim.grad_clip, "the gradient clip never acted"
+    assert metrics["optim/grad_norm"] == pytest.approx(sum(ref_norms_U) / 2, rel=1e-4)
+    shared = [k for k in ref_grads_U[0] if k in grads_U[0]]
+    assert "model.embed_tokens.weight" in shared
+    grads_U = [{k: g[k] for k in shared} for g in grads_U]
+    ref_grads_U = [{k: g[k] for k in shared} for g in ref_grads_U]
+    # Update 1 starts from the same weights: the gradients differ by two implementations' rounding.
+    scale = max(float(g.abs().max()) for g in ref_grads_U[0].values())
+    gaps_U = [max_gap(got, ref) for got, ref in zip(grads_U, ref_grads_U, strict=True)]
+    assert gaps_U[0] <= 1e-5 * scale, (gaps_U[0], scale)
+    bounds = adam_weight_bounds(ref_grads_U, gaps_U, recipe.optim)[-1]
+    for name in shared:
+        assert within(state[name], ref_state[name], bounds[name], 2), name
+    # The weights moved far beyond the bounds, so the equality above is not trivial.
+    start = load_file(str(model_dir / "model.safetensors"))
+    assert any(bool(((state[k] - start[k]).abs() > 10 * bounds[k]).any()) for k in shared if k in start)
