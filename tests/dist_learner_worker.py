@@ -27,7 +27,9 @@ from m2po_cli.train.updates import rows_per_update, train_on
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
 OVERRIDES = [
     "rollout.prompts_per_step=4",
-    "train.mini_batch_prompts=2",
+    # One update a step, on-policy but for the noise added below: every M2PO mask is then decided by
+    # that noise alone, the same in every layout, not by weights the layouts round apart.
+    "train.mini_batch_prompts=4",
     "train.micro_batch_sequences=3",
     "staleness.s=0",
     "optim.lr=0.002",

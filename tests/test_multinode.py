@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from m2po_cli.rollout.settings import cpu_threads
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +59,18 @@ def as_sets(sets: list[str]) -> list[str]:
 
 def torchrun(nodes: int, procs_per_node: int, out: Path, steps: int) -> Path:
     """`m2po train` of the test recipe on `nodes` loopback nodes (one torchrun agent each, as a
-    cluster starts one per node) of `procs_per_node` processes; the run directory."""
+    cluster starts one per node) of `procs_per_node` processes; the run directory.
+
+    Nodes of one process each bind their engine to the cores that engine would have as a local rank
+    of one node (`cpu_threads`): on loopback they share the host, and the same thread count keeps
+    vLLM's sums in the same order as the one-node reference's."""
     port, env = free_port(), {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def node_env(node: int) -> dict[str, str]:
+        if procs_per_node > 1 or nodes == 1:
+            return env
+        return {**env, **cpu_threads(node, nodes)}
+
     agents = [
         subprocess.Popen(
             [
@@ -84,7 +96,7 @@ def torchrun(nodes: int, procs_per_node: int, out: Path, steps: int) -> Path:
                 *train_sets(out, steps),
             ],  # fmt: skip
             cwd=ROOT,
-            env=env,
+            env=node_env(node),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
