@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GRPO = ROOT / "recipes" / "smollm2-135m-cpu-grpo.toml"
 M2PO = ROOT / "recipes" / "smollm2-135m-cpu.toml"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
+M2PO_GRPO, M2PO_DEFAULT, TRL_GRPO = "m2po GRPO s=0", "m2po M2PO s=2 (default)", "TRL GRPO"
 
 
 def work_for(recipe_path: Path, steps: int) -> dict:
@@ -195,16 +196,16 @@ def report(results: dict[str, list[dict]]) -> None:
         print(f"| {tool} | {len(runs)} | " + " | ".join(cells) + " |")
     print()
     for tool in results:
-        if tool == "TRL GRPO":
+        if tool == TRL_GRPO:
             continue
         ratios = ", ".join(
-            f"{name} {means[tool, name] / means['TRL GRPO', name]:.2f}x"
+            f"{name} {means[tool, name] / means[TRL_GRPO, name]:.2f}x"
             for name in names
             if "reward" not in name
         )
         print(f"{tool} / TRL GRPO: {ratios}")
     last = {tool: mean_se([r["reward last 1/5"] for r in runs]) for tool, runs in results.items()}
-    (m, _), (t, t_se) = last["m2po GRPO s=0"], last["TRL GRPO"]
+    (m, _), (t, t_se) = last[M2PO_GRPO], last[TRL_GRPO]
     print(f"last-fifth reward, m2po GRPO - TRL: {m - t:+.3f} (TRL's standard error {t_se:.3f})")
 
 
@@ -218,7 +219,7 @@ def main() -> int:
     if not TRL_PYTHON.exists():
         sys.exit(f"no TRL venv at {TRL_PYTHON.parent.parent}; run: bash scripts/trl_venv.sh")
     work = work_for(GRPO, args.steps)
-    results: dict[str, list[dict]] = {"m2po GRPO s=0": [], "m2po M2PO s=2 (default)": [], "TRL GRPO": []}
+    results: dict[str, list[dict]] = {M2PO_GRPO: [], M2PO_DEFAULT: [], TRL_GRPO: []}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as tmp_name:
         tmp = args.keep or Path(tmp_name)
@@ -226,19 +227,17 @@ def main() -> int:
         work_path = tmp / "work.json"
         work_path.write_text(json.dumps(work))
         for seed in range(args.seeds):
-            order = ["m2po", "trl"] if seed % 2 == 0 else ["trl", "m2po"]
-            for tool in order:
-                if tool == "trl":
+            arms = [M2PO_GRPO, TRL_GRPO] if seed % 2 == 0 else [TRL_GRPO, M2PO_GRPO]
+            arms += [M2PO_DEFAULT] if seed < args.m2po_seeds else []
+            for arm in arms:
+                if arm == TRL_GRPO:
                     run = run_trl(work_path, work, seed, tmp)
-                    results["TRL GRPO"].append(summary(run))
-                else:
+                elif arm == M2PO_GRPO:
                     run = run_m2po(GRPO, args.steps, seed, tmp, staleness=0)
-                    results["m2po GRPO s=0"].append(summary(run))
-                print(f"seed {seed} {tool}: {json.dumps(summary(run))}", flush=True)
-            if seed < args.m2po_seeds:
-                run = run_m2po(M2PO, args.steps, seed, tmp, staleness=None)
-                results["m2po M2PO s=2 (default)"].append(summary(run))
-                print(f"seed {seed} m2po M2PO: {json.dumps(summary(run))}", flush=True)
+                else:
+                    run = run_m2po(M2PO, args.steps, seed, tmp, staleness=None)
+                results[arm].append(summary(run))
+                print(f"seed {seed} {arm}: {json.dumps(results[arm][-1])}", flush=True)
     print(
         f"\n{args.steps} steps a run, {time.perf_counter() - t_start:.0f} s in all; load average "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())

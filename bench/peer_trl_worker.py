@@ -58,6 +58,7 @@ class TimedGRPO(GRPOTrainer):
             self.clock["reward"] += time.perf_counter() - t0
 
     def _generate_and_score_completions(self, inputs):
+        before = dict(self.clock)
         out = super()._generate_and_score_completions(inputs)
         mask_BP, ids_BP = out["prompt_mask"].bool(), out["prompt_ids"]
         n = self.args.num_generations
@@ -66,6 +67,8 @@ class TimedGRPO(GRPOTrainer):
                 "prompt_ids": [ids_BP[b][mask_BP[b]].tolist() for b in range(0, ids_BP.shape[0], n)],
                 "generated_tokens": int(out["completion_mask"].sum()),
                 "trained_tokens": int(mask_BP.sum() + out["completion_mask"].sum()),
+                "generate_s": self.clock["generate"] - before["generate"],
+                "reward_s": self.clock["reward"] - before["reward"],
             }
         )
         return out
@@ -131,31 +134,12 @@ def main() -> None:
             train_dataset=Dataset.from_list(rows),
             callbacks=[clock],
         )
-        steps_clock = []
-        generate0 = reward0 = 0.0
-
-        class PhaseClock(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                nonlocal generate0, reward0
-                g, r = trainer.clock["generate"], trainer.clock["reward"]
-                steps_clock.append((g - generate0, r - reward0))
-                generate0, reward0 = g, r
-
-        trainer.add_callback(PhaseClock())
         trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    steps = []
-    for i, batch in enumerate(trainer.batches):
-        generate_s, reward_s = steps_clock[i]
-        steps.append(
-            {
-                **batch,
-                "step_s": clock.seconds[i],
-                "generate_s": generate_s,
-                "reward_s": reward_s,
-                "reward": rewards[i],
-            }
-        )
+    steps = [
+        {**batch, "step_s": step_s, "reward": r}
+        for batch, step_s, r in zip(trainer.batches, clock.seconds, rewards, strict=True)
+    ]
     out_path.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "steps": steps}))
 
 

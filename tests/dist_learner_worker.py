@@ -58,6 +58,18 @@ def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollou
     return pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
 
 
+def applied_gradients(learner: Learner) -> list[dict[str, torch.Tensor]]:
+    """A list that gets the gradient the optimizer applies at each update (clipped), gathered whole
+    and in HF names, on every rank."""
+    grads: list[dict[str, torch.Tensor]] = []
+    learner.optimizer.register_step_pre_hook(
+        lambda *_: grads.append(
+            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
+        )
+    )
+    return grads
+
+
 def main(out: Path, extra: list[str]) -> None:
     torch.set_num_threads(1)
     recipe = load_recipe(QUICKSTART, OVERRIDES + extra)
@@ -65,13 +77,7 @@ def main(out: Path, extra: list[str]) -> None:
     loss_fn = build_loss(recipe.loss)
     # Step 0 is recorded (quickstart: every 10th step, every row): each rank scores the rows it holds.
     recorder = Recorder(out, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
-    metrics, scored, grads = [], [], []
-    # The gradient the optimizer applies at each update (clipped), gathered whole on every rank.
-    learner.optimizer.register_step_pre_hook(
-        lambda *_: grads.append(
-            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
-        )
-    )
+    metrics, scored, grads = [], [], applied_gradients(learner)
     for step in range(3):
         vocab = learner.arch.hf_config["vocab_size"]
         batch = fixed_batch(step, 4, recipe.rollout.n, vocab)

@@ -271,7 +271,7 @@ def literal_grpo_updates(model_dir: Path, rows: list[tuple[list[int], int, float
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     o, cfg, temperature = recipe.optim, recipe.loss, recipe.rollout.temperature
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
     def response_logprobs(tokens: list[int], prompt_len: int) -> torch.Tensor:
@@ -315,7 +315,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
     from m2po_cli.train.colocated import score_at_behaviour_version
     from m2po_cli.train.updates import train_on
     from tests.conftest import no_record
-    from tests.dist_learner_worker import fixed_batch
+    from tests.dist_learner_worker import applied_gradients, fixed_batch
 
     recipe = recipe_for(
         tmp_path,
@@ -347,12 +347,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
             )
         )
     assert torch.allclose(batch.advantages_B, torch.tensor([a for _, _, a in rows]), atol=1e-6)
-    grads_U, state = [], None
-    learner.optimizer.register_step_pre_hook(
-        lambda *_: grads_U.append(
-            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
-        )
-    )
+    grads_U = applied_gradients(learner)
     # Each update's norm before the clip. Only the first is compared: the second is taken at
     # weights that AdamW may have moved apart by ~lr on entries with a near-zero gradient.
     norms_U, clip = [], learner._clip
