@@ -22,6 +22,9 @@ class Batch:
     # int64, each row's number in its rollout batch: an order every rank shares (M2PO's ties); None
     # for rows held whole by one process, whose order here is the order
     rows_B: torch.Tensor | None = None
+    # int64, the prompt tokens each row starts with: rows with the same prompt may share its
+    # computation (`shared_prompts`); None: every row is computed whole
+    prompt_lengths_B: torch.Tensor | None = None
 
     def take(self, index_K: torch.Tensor) -> Batch:
         """Rows at `index_K`, trimmed to their own longest row."""
@@ -33,6 +36,7 @@ class Batch:
             self.advantages_B[index_K],
             self.lengths_B[index_K],
             None if self.rows_B is None else self.rows_B[index_K],
+            None if self.prompt_lengths_B is None else self.prompt_lengths_B[index_K],
         )
 
     @property
@@ -45,19 +49,30 @@ class Batch:
         return self.advantages_B[:, None].expand_as(self.mask_BL)
 
 
-def micro_batches(lengths_B: torch.Tensor, max_rows: int, max_tokens: int) -> list[torch.Tensor]:
+def micro_batches(
+    lengths_B: torch.Tensor, max_rows: int, max_tokens: int, members: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Row indices of each micro-batch: rows sorted longest first, cut greedily so that a
     micro-batch has at most `max_rows` rows and, padded to its longest, at most `max_tokens` tokens
-    (0: no token budget; a row longer than the budget goes alone)."""
+    (0: no token budget; a row longer than the budget goes alone).
+
+    With `members`, the items cut are sets of rows that go together (a packed group of
+    `shared_prompts`): `lengths_B` holds each set's tokens, and a set counts as its rows."""
     order_B = torch.sort(lengths_B, descending=True, stable=True).indices
     sorted_lengths = lengths_B[order_B].tolist()
+    rows = [1] * len(sorted_lengths) if members is None else [len(members[i]) for i in order_B.tolist()]
     cuts = [0]
+    count = rows[0] if rows else 0
     for i in range(1, len(sorted_lengths)):
-        count = i - cuts[-1] + 1  # rows if row i joins; the first row of a micro-batch is its longest
-        if count > max_rows or (max_tokens and count * sorted_lengths[cuts[-1]] > max_tokens):
+        count += rows[i]  # rows if item i joins; the first item of a micro-batch is its longest
+        if count > max_rows or (max_tokens and (i - cuts[-1] + 1) * sorted_lengths[cuts[-1]] > max_tokens):
             cuts.append(i)
+            count = rows[i]
     ends = cuts[1:] + [len(sorted_lengths)]
-    return [order_B[a:b] for a, b in zip(cuts, ends, strict=True)] if sorted_lengths else []
+    parts = [order_B[a:b] for a, b in zip(cuts, ends, strict=True)] if sorted_lengths else []
+    if members is None:
+        return parts
+    return [torch.cat([members[i] for i in part.tolist()]) for part in parts]
 
 
 def padding_overhead(lengths_B: torch.Tensor, parts: list[torch.Tensor]) -> float:

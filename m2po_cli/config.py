@@ -297,6 +297,12 @@ class TrainConfig(Table):
         "then a correction over the tokens that mask got wrong; auto, the cheaper one by the last "
         "correction's size. All give the same update.",
     )
+    share_prompts: Literal["auto", "on", "off"] = field(
+        "auto",
+        "Compute a group's prompt once for all its responses (one packed sequence; each response "
+        "sees the prompt and itself): on, off, or auto, where that saves at least a quarter of the "
+        "tokens and no packed group exceeds 8192 tokens (its attention mask).",
+    )
     compile: bool = field(False, "torch.compile the model.")
     activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from m2po_cli import shared_prompts
 from m2po_cli.batch import IDLE, Batch, micro_batches
 from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
@@ -39,7 +41,7 @@ from m2po_cli.hf_weights import HFWeights
 from m2po_cli.logprobs import install_head, score_request
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
-from m2po_cli.titan import ModelArch, ParallelDims, load_arch, use_fused_attention
+from m2po_cli.titan import ModelArch, ParallelDims, accept_attention_masks, load_arch, use_fused_attention
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
@@ -96,6 +98,7 @@ class Learner:
         mp = mixed_precision(resolve_dtype(self.recipe.model.dtype))
         kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
         use_fused_attention(model, self.device.type, bf16=mp is not None)
+        accept_attention_masks(model)
         if self.recipe.train.activation_checkpointing == "full":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -138,30 +141,57 @@ class Learner:
     def forward_logprobs(
         self, batch: Batch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[B, L]` logprobs (with grad if enabled) and entropies of the response tokens; 0 elsewhere."""
+        """`[B, L]` logprobs (with grad if enabled) and entropies of the response tokens; 0 elsewhere.
+
+        Rows with `prompt_lengths_B` run packed, each prompt once (`shared_prompts`)."""
         tokens_BL, mask_BL = batch.tokens_BL.to(self.device), batch.mask_BL.to(self.device)
-        request = score_request(tokens_BL, mask_BL, self.recipe.rollout.temperature, with_entropy)
+        temperature = self.recipe.rollout.temperature
+        if batch.prompt_lengths_B is None:
+            request = score_request(tokens_BL, mask_BL, temperature, with_entropy)
+            inputs: tuple = (tokens_BL,)
+        else:
+            packed = shared_prompts.pack(batch.tokens_BL, batch.lengths_B, batch.prompt_lengths_B)
+            request = packed.score_request(batch.tokens_BL, batch.mask_BL, temperature, with_entropy)
+            request.source_N = request.source_N.to(self.device)
+            request.targets_N = request.targets_N.to(self.device)
+            inputs = tuple(
+                t.to(self.device) for t in (packed.tokens_GT, packed.positions_GT, packed.allowed_G1TT)
+            )
         self.head.request = request
         try:
-            logprobs_N, entropy_N = self.model(tokens_BL)
+            logprobs_N, entropy_N = self.model(*inputs)
         finally:
             self.head.request = None
-        scored_BL = torch.zeros(mask_BL.numel(), dtype=torch.bool, device=self.device)
-        scored_BL[request.source_N + 1] = True
-        scored_BL = scored_BL.view(mask_BL.shape)
+        scored_BL = mask_BL.bool().clone()  # the request's positions, in its (row-major) order
+        scored_BL[:, 0] = False
         lp_BL = torch.zeros(mask_BL.shape, device=self.device).masked_scatter(scored_BL, logprobs_N)
         if entropy_N is None:
             return lp_BL, None
         return lp_BL, torch.zeros_like(lp_BL).masked_scatter(scored_BL, entropy_N)
 
-    def micro_batches(self, batch: Batch) -> list[torch.Tensor]:
-        """This rank's micro-batches (`micro_batches`), padded with empty ones to the largest count
-        of any rank: FSDP2 gathers weights in every forward, so all ranks run the same number."""
+    def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
+        """(row index, rows) of this rank's micro-batches (`micro_batches`), padded with idle ones
+        (no rows, `IDLE`) to the largest count of any rank: FSDP2 gathers weights in every forward,
+        so all ranks run the same number. Rows that share their prompt (`train.share_prompts`) go
+        to one micro-batch and keep `prompt_lengths_B`; otherwise it is dropped."""
         t = self.recipe.train
-        parts = micro_batches(batch.lengths_B, t.micro_batch_sequences, t.micro_batch_tokens)
+        groups = None
+        if batch.prompt_lengths_B is not None and t.share_prompts != "off" and batch.num_rows:
+            groups = shared_prompts.prompt_groups(batch.tokens_BL, batch.prompt_lengths_B)
+            if t.share_prompts == "auto" and not shared_prompts.worth_sharing(
+                batch.lengths_B, batch.prompt_lengths_B, groups
+            ):
+                groups = None
+        if groups is None:
+            batch = replace(batch, prompt_lengths_B=None)
+            parts = micro_batches(batch.lengths_B, t.micro_batch_sequences, t.micro_batch_tokens)
+        else:
+            lengths_G = shared_prompts.packed_lengths(batch.lengths_B, batch.prompt_lengths_B, groups)
+            parts = micro_batches(lengths_G, t.micro_batch_sequences, t.micro_batch_tokens, groups)
         count = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return parts + [torch.zeros(0, dtype=torch.long)] * (int(count) - len(parts))
+        idle = [(torch.zeros(0, dtype=torch.long), IDLE)] * (int(count) - len(parts))
+        return [(index, batch.take(index)) for index in parts] + idle
 
     @torch.no_grad()
     def score(self, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -171,12 +201,10 @@ class Learner:
         """
         logprobs_BL = torch.zeros_like(batch.mask_BL)
         entropy_BL = torch.zeros_like(batch.mask_BL) if with_entropy else None
-        for index in self.micro_batches(batch):
-            if not index.numel():
-                self.forward_logprobs(IDLE)
-                continue
-            part = batch.take(index)
+        for index, part in self.micro_batches(batch):
             lp, ent = self.forward_logprobs(part, with_entropy)
+            if not index.numel():
+                continue
             logprobs_BL[index, : lp.shape[1]] = lp.cpu()
             if with_entropy:
                 entropy_BL[index, : ent.shape[1]] = ent.cpu()
@@ -300,7 +328,10 @@ class Learner:
             return share[0]
         weight_KL = correction_weights(change_BL, log_ratio_BL, batch.advantages_BL, num_tokens)[rows_K]
         mask_KL = (change_BL[rows_K] != 0).float()  # only the changed tokens are scored
-        fix = Batch(batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K)
+        prompts_K = None if batch.prompt_lengths_B is None else batch.prompt_lengths_B[rows_K]
+        fix = Batch(
+            batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K, None, prompts_K
+        )
         for index, _, lp, last in self._forwards(fix):
             weight = weight_KL[index, : lp.shape[1]].to(self.device)
             self._backward(-(lp * weight).sum(), last)
@@ -321,14 +352,12 @@ class Learner:
         runs the backward (`_backward`). A rank with fewer micro-batches than another runs an idle
         forward and backward for each missing one."""
         parts = self.micro_batches(batch)
-        for i, index in enumerate(parts):
+        for i, (index, part) in enumerate(parts):
             last = i == len(parts) - 1  # every rank runs the same count
+            lp, _ = self.forward_logprobs(part)
             if not index.numel():
-                lp, _ = self.forward_logprobs(IDLE)
                 self._backward(lp.sum() * 0.0, last)  # this rank's share of FSDP2's collectives
                 continue
-            part = batch.take(index)
-            lp, _ = self.forward_logprobs(part)
             yield index, part, lp, last
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:

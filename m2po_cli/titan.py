@@ -7,8 +7,9 @@ schemes through torchtitan's own state-dict adapters, which are bit-exact both w
 Qwen2 / Qwen2.5 have no torchtitan model of their own: they are Qwen3 without qk-norm and with
 biases on the q/k/v projections, so they run on the Qwen3 classes with those two switches.
 
-Attention is causal SDPA over right-padded batches on every device: FlexAttention has no backward
-on CPU, and padding keeps one code path. The device picks the kernel (`use_fused_attention`): on a
+Attention is SDPA on every device (FlexAttention has no backward on CPU): causal over right-padded
+rows, or under a dense mask for groups packed with one shared prompt (`MaskableAttention`,
+`shared_prompts`). The device picks the kernel (`use_fused_attention`): on a
 GPU in bf16 only fused kernels (cuDNN, FlashAttention, memory-efficient) may run, so a silent
 fallback to the O(L^2)-memory math kernel becomes an error; the CPU keeps PyTorch's choice. QKV projections stay unfused so parameter names map 1:1
 onto the HF checkpoint.
@@ -24,8 +25,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torchtitan.tools.utils
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # torchtitan picks the device type (and so NCCL vs gloo, cuda vs cpu meshes) at import time.
 torchtitan.tools.utils.device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -223,6 +225,32 @@ def attention_backends(device_type: str, bf16: bool) -> list[SDPBackend] | None:
     if device_type != "cuda" or not bf16:
         return None
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+class MaskableAttention(ScaledDotProductAttention):
+    """torchtitan's SDPA that also takes a dense boolean mask (`attention_masks`, `[B, 1, L, L]`,
+    True where a query may attend a key) in place of the causal one; `shared_prompts` uses it."""
+
+    def forward(
+        self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs
+    ):
+        if not isinstance(attention_masks, torch.Tensor):
+            return super().forward(
+                q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, scale=scale, enable_gqa=enable_gqa
+            )
+        q_BNLH, k_BNLH, v_BNLH = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))
+        with sdpa_kernel(self.sdpa_backends, set_priority=True):
+            out_BNLH = F.scaled_dot_product_attention(
+                q_BNLH, k_BNLH, v_BNLH, attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa
+            )
+        return out_BNLH.transpose(1, 2)
+
+
+def accept_attention_masks(model: nn.Module) -> None:
+    """Give every SDPA module of `model` the `MaskableAttention` behaviour in place."""
+    for module in model.modules():
+        if type(module) is ScaledDotProductAttention:
+            module.__class__ = MaskableAttention
 
 
 def use_fused_attention(model: nn.Module, device_type: str, bf16: bool) -> None:

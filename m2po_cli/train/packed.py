@@ -137,7 +137,13 @@ class PackedRollouts:
         behaviour_KL = torch.zeros(num_rows, length)
         behaviour_KL[row_N[is_response_N], position_N[is_response_N]] = logprobs_R
         return Batch(
-            tokens_KL, mask_KL, behaviour_KL, rows.advantages_B.clone(), lengths_K.clone(), rows.row_B.clone()
+            tokens_KL,
+            mask_KL,
+            behaviour_KL,
+            rows.advantages_B.clone(),
+            lengths_K.clone(),
+            rows.row_B.clone(),
+            rows.prompt_len_B.clone(),
         )
 
     # --- as tensors: checkpoints and collectives ---------------------------------------------------
