@@ -66,7 +66,7 @@ def test_auto_shares_where_prompts_dominate():
 
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
-    recipe = recipe_for(tmp_path_factory.mktemp("shared"), "train.share_prompts=\"on\"")
+    recipe = recipe_for(tmp_path_factory.mktemp("shared"), 'train.share_prompts="on"')
     return Learner(resolve_model(recipe.model.path), recipe)
 
 
