@@ -10,11 +10,13 @@ instead of `n (p + max r_i)` padded ones.
 
 What it costs: attention takes a dense boolean mask, `[G, 1, T, T]` bytes for G groups packed to T
 tokens, and a dense mask rules out FlashAttention (PyTorch picks the memory-efficient kernel on a
-GPU, its CPU kernel here). So it pays where prompts are long against responses: the CPU recipes
-(55 prompt tokens, ~20 response tokens, n = 8: 3.0x fewer tokens) and not the 8B recipe (~200
-prompt and ~2,300 response tokens, n = 8: 7% fewer, and a 20k-token group would need a 400 MB
-mask). `train.share_prompts = "auto"` packs a batch when that saves at least `AUTO_MIN_SAVING` of
-its tokens and no packed group is longer than `AUTO_MAX_GROUP_TOKENS` (a 64 MiB mask).
+GPU, its CPU kernel here). So it pays where prompts are long against responses, as in the CPU
+recipes: 55 prompt and ~20 response tokens, n = 8, a group is 215 tokens instead of 8 x 75 = 600
+(2.8x fewer, before padding). At the 8B recipe's sizes (prompts of ~150 tokens, responses of up to
+2,560, n = 8) a group packs to ~12k-20k tokens: 6-8% fewer tokens, for a mask of 150-420 MB per
+group and no FlashAttention. `train.share_prompts = "auto"` therefore packs a batch only when that
+saves at least `AUTO_MIN_SAVING` of its tokens and no packed group is longer than
+`AUTO_MAX_GROUP_TOKENS` (a 64 MiB mask); the 8B recipe trains on rows.
 """
 
 from __future__ import annotations

@@ -107,3 +107,22 @@ def test_a_response_never_sees_another(learner):
     others = torch.arange(rows.num_rows) != first
     assert torch.allclose(before[others], after[others], atol=1e-6, rtol=0)
     assert not torch.allclose(before[first], after[first], atol=1e-3, rtol=0)
+
+
+def test_the_learner_packs_whole_groups_when_sharing(learner):
+    pack, *_ = random_pack(4, num_prompts=6, n=4, vocab=learner.arch.hf_config["vocab_size"])
+    rows = pack.to_batch(torch.arange(pack.num_rows))
+    parts = learner.micro_batches(rows)
+    assert sorted(torch.cat([index for index, _ in parts]).tolist()) == list(range(rows.num_rows))
+    for index, part in parts:
+        assert part.prompt_lengths_B is not None, "share_prompts = on packs every micro-batch"
+        prompts = {tuple(rows.tokens_BL[b, : int(rows.prompt_lengths_B[b])].tolist()) for b in index.tolist()}
+        whole = [
+            b
+            for b in range(rows.num_rows)
+            if tuple(rows.tokens_BL[b, : int(rows.prompt_lengths_B[b])].tolist()) in prompts
+        ]
+        assert sorted(index.tolist()) == whole, "a group was split across micro-batches"
+    assert all(
+        p.prompt_lengths_B is None for _, p in learner.micro_batches(replace(rows, prompt_lengths_B=None))
+    )
