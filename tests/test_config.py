@@ -73,7 +73,7 @@ REPRODUCE = sorted((ROOT / "recipes" / "reproduce").glob("*.toml"))
 def test_the_reproduction_arms_differ_only_in_loss_and_staleness():
     """The paper's four arms: GRPO on- and off-policy, no trust region and M2PO at the same s."""
     trees = {p.stem: tomllib.loads(p.read_text()) for p in REPRODUCE}
-    assert sorted(trees) == ["grpo-s0", "grpo-s16", "m2po-s16", "no-tr-s16"]
+    assert sorted(trees) == ["grpo-s0", "grpo-s32", "m2po-s32", "no-tr-s32"]
     for name, tree in trees.items():
         recipe = load_recipe(ROOT / "recipes" / "reproduce" / f"{name}.toml")
         assert (recipe.run.name, recipe.loss.type) == (name, name.rsplit("-s", 1)[0].replace("-", "_"))
