@@ -18,10 +18,11 @@ first, which warms the kernels up), generated tokens per second of generation, t
 second of the update, the peak memory of the run's process tree (PSS), and the mean reward of the
 first and the last fifth of the steps; then the ratios m2po / TRL.
 
-What one step costs (both tools alike): 32 rows of ~55 prompt + up to 32 response tokens through a
-134.5M-parameter model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward
-and backward; generation is ~500 tokens. m2po adds a 4-row pass at the behaviour version (metrics)
-and a 0.54 GB weight push into the engine.
+What one step costs: 32 rows of ~55 prompt + up to 32 response tokens through a 134.5M-parameter
+model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward and backward as
+TRL runs it; m2po computes each group's prompt once (`train.share_prompts`), ~850 tokens, about
+0.7 TFLOP. Generation is ~500 tokens. m2po adds a 4-row pass at the behaviour version (metrics)
+and a 0.54 GB weight push into the engine. "update tok/s" counts the rows' tokens for both tools.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ learner's passes: the update (forward + backward, ~3 forwards), M2PO's global ma
 forward first, or a correction after the training forwards, whichever `learner.update` judges
 cheaper) and a 4-row sample at the behaviour version; about 2-2.4 TFLOP a step, so a 2-core AVX2
 CPU (~50-100 GFLOP/s in fp32) spends most of a step in the learner. Generation is ~500 tokens a step; one 0.54 GB fp32
-weight push. The prompt is ~80% of the learner's tokens and is recomputed for each of the 8
-samples of a group. At the 8B recipe's sizes nothing here changes the data or weight path.
+weight push. The prompt is ~75% of the rows' tokens; the learner computes it once per group
+(`train.share_prompts`, on here by `auto`), ~850 tokens a pass instead of ~2.8k padded ones. At the
+8B recipe's sizes `auto` leaves rows unpacked (`m2po_cli/shared_prompts.py`).
 """
 
 from __future__ import annotations
