@@ -38,7 +38,7 @@ from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce, init_distributed
 from m2po_cli.hf_weights import HFWeights
-from m2po_cli.logprobs import install_head, score_request
+from m2po_cli.logprobs import install_head, score_request, scored_positions
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
 from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.titan import ModelArch, ParallelDims, accept_attention_masks, load_arch, use_fused_attention
@@ -162,8 +162,7 @@ class Learner:
             logprobs_N, entropy_N = self.model(*inputs)
         finally:
             self.head.request = None
-        scored_BL = mask_BL.bool().clone()  # the request's positions, in its (row-major) order
-        scored_BL[:, 0] = False
+        scored_BL = scored_positions(mask_BL)  # the request's positions, in its order
         lp_BL = torch.zeros(mask_BL.shape, device=self.device).masked_scatter(scored_BL, logprobs_N)
         if entropy_N is None:
             return lp_BL, None

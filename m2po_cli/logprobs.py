@@ -105,11 +105,17 @@ def install_head(model: nn.Module) -> LogprobHead:
     return head
 
 
+def scored_positions(mask_BL: Tensor) -> Tensor:
+    """The positions a request scores, `[B, L]` bool: the mask's, but for column 0 (no token
+    precedes it). A request lists them in row-major order (`nonzero`)."""
+    scored_BL = mask_BL.bool().clone()
+    scored_BL[:, 0] = False
+    return scored_BL
+
+
 def score_request(tokens_BL: Tensor, mask_BL: Tensor, temperature: float, with_entropy: bool) -> ScoreRequest:
     """Score the tokens at `mask_BL` positions (t >= 1): position t - 1 of the output predicts t."""
-    mask_BL = mask_BL.bool().clone()
-    mask_BL[:, 0] = False
-    row_N, col_N = mask_BL.nonzero(as_tuple=True)
+    row_N, col_N = scored_positions(mask_BL).nonzero(as_tuple=True)
     return ScoreRequest(
         row_N * tokens_BL.shape[1] + col_N - 1, tokens_BL[row_N, col_N], temperature, with_entropy
     )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from m2po_cli.logprobs import ScoreRequest
+from m2po_cli.logprobs import ScoreRequest, scored_positions
 
 AUTO_MIN_SAVING = 0.25
 AUTO_MAX_GROUP_TOKENS = 8192
@@ -70,9 +70,7 @@ class SharedPrompts:
     def score_request(self, tokens_BL: Tensor, mask_BL: Tensor, temperature: float, with_entropy: bool):
         """`score_request` of the rows, its positions read off the packed layout: the token at
         (b, l) is predicted where (b, l - 1) sits. Positions come in the rows' row-major order."""
-        mask_BL = mask_BL.bool().clone()
-        mask_BL[:, 0] = False
-        row_N, col_N = mask_BL.nonzero(as_tuple=True)
+        row_N, col_N = scored_positions(mask_BL).nonzero(as_tuple=True)
         return ScoreRequest(
             self.where_BL[row_N, col_N - 1], tokens_BL[row_N, col_N], temperature, with_entropy
         )
