@@ -294,8 +294,9 @@ class TrainConfig(Table):
         "auto",
         "How M2PO gets its mask over the whole batch: score_first, a no-grad pass before the training "
         "forwards; correct_after, from the training forwards under the previous update's threshold, "
-        "then a correction over the tokens that mask got wrong; auto, the cheaper one by the last "
-        "correction's size. All give the same update.",
+        "then a correction over the tokens that mask got wrong; auto, from the training forward itself "
+        "when every rank's rows are one micro-batch (no other pass), else the cheaper of the two by the "
+        "last correction's size. All give the same update.",
     )
     share_prompts: Literal["auto", "on", "off"] = field(
         "auto",

@@ -25,7 +25,14 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
-CASES = {"score_first": None, "correct_after": None, "correct_after z0=0.05": 0.05, "auto z0=0.05": 0.05}
+CASES = {
+    "score_first": None,
+    "correct_after": None,
+    "correct_after z0=0.05": 0.05,
+    "auto z0=0.05": 0.05,
+    "auto one-micro-batch": None,  # every rank's rows in one micro-batch: the mask from that forward
+}
+ONE_MICRO_BATCH = ["train.micro_batch_sequences=16"]
 # Adam's eps at 1e-4, the size of a typical gradient entry here: with eps = 1e-8 an entry whose true
 # gradient is ~0 takes a step of up to lr from its float32 rounding alone, so the two ways' weights
 # could part by lr. The bound `adam_weight_tolerance` derives stays small.
@@ -70,7 +77,8 @@ def main(out: Path, extra: list[str]) -> None:
     loss_fn = build_loss(load_recipe(QUICKSTART, OVERRIDES).loss)
     results = {}
     for name, provisional_z in CASES.items():
-        recipe = load_recipe(QUICKSTART, [*OVERRIDES, *extra, f'train.global_pass="{name.split()[0]}"'])
+        one = ONE_MICRO_BATCH if name.endswith("one-micro-batch") else []
+        recipe = load_recipe(QUICKSTART, [*OVERRIDES, *one, *extra, f'train.global_pass="{name.split()[0]}"'])
         model_dir = resolve_model(recipe.model.path)
         learner = Learner(model_dir, recipe)
         if provisional_z is not None:
@@ -99,8 +107,18 @@ def main(out: Path, extra: list[str]) -> None:
             batch.behaviour_logprobs_BL = (current_BL + noise_BL) * batch.mask_BL
             forwarded[0] = 0
             metrics = learner.update(batch, loss_fn, int(num_tokens))
-            full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
-            steps.append({"metrics": metrics, "state": full, "grad": grads[-1], "forwarded": forwarded[0]})
+            # A copy: with one shard, `full_tensor` is the live parameter, which the next update moves.
+            full = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+            one_forward = batch.num_rows * int(batch.lengths_B.max())  # its rows padded as one micro-batch
+            steps.append(
+                {
+                    "metrics": metrics,
+                    "state": full,
+                    "grad": grads[-1],
+                    "forwarded": forwarded[0],
+                    "one_forward": one_forward,
+                }
+            )
         results[name] = steps
     torch.save(results, out / f"rank{learner.rank}.pt")
 

@@ -202,7 +202,7 @@ def assert_correct_after_equals_score_first(results: dict, recipe) -> None:
     that differ by at most `adam_weight_bounds`, so its gradient and its norm agree to 1e-3."""
     reference = results["score_first"]
     grads_U = [step["grad"] for step in reference]
-    for name in ("correct_after", "correct_after z0=0.05", "auto z0=0.05"):
+    for name in ("correct_after", "correct_after z0=0.05", "auto z0=0.05", "auto one-micro-batch"):
         gaps_U = []
         for step, (ref, got) in enumerate(zip(reference, results[name], strict=True)):
             where = f"{name}, update {step + 1}"
@@ -211,6 +211,8 @@ def assert_correct_after_equals_score_first(results: dict, recipe) -> None:
                 assert got["metrics"]["m2po/correction_frac"] > 0, f"{where}: nothing corrected"
             if name == "correct_after":  # no no-grad pass: fewer tokens through the model
                 assert got["forwarded"] < ref["forwarded"], where
+            if name == "auto one-micro-batch":  # one forward of the rank's rows, nothing else
+                assert got["forwarded"] == got["one_forward"], where
             assert ref["metrics"]["optim/grad_norm"] > 0.05, f"{where}: the gradient clip did not act"
             assert got["metrics"].keys() == ref["metrics"].keys(), where
             for key, value in ref["metrics"].items():
