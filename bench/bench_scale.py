@@ -313,7 +313,7 @@ def passes_and_timing(report, args) -> None:
     baseline_score(learner, batch)
     score_before = counter.tokens / real
     counter.tokens = 0
-    score_at_behaviour_version(pack, learner, everything=False)
+    score_at_behaviour_version(pack, learner, everything=False, group_size=4)
     score_after = counter.tokens / real
     for name, after in (("grpo", "auto"), ("m2po", "score_first")):
         report.row(

@@ -12,7 +12,7 @@ from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion
-from m2po_cli.train.colocated import engine_share, sampling_seed
+from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, engine_share, mismatch_sample, sampling_seed
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
 from tests.conftest import recipe_for
@@ -42,6 +42,26 @@ def random_pack(seed: int, num_prompts: int = 5, n: int = 3, vocab: int = 50, fi
     rewards_PG = torch.randint(0, 2, (num_prompts, n), generator=g).float()
     pack = pack_groups(3, first_row, prompts, groups, rewards_PG, True, 1e-6)
     return pack, prompts, groups, rewards_PG
+
+
+def test_the_mismatch_sample_is_one_prompt_group_in_turn():
+    """Up to MISMATCH_SAMPLE_ROWS rows, all of one prompt (so they pack), a different prompt of the
+    rank's own each step; a rank holding part of a group samples from what it holds."""
+    n = 6
+    pack, prompts, *_ = random_pack(4, num_prompts=3, n=n, first_row=12)  # prompts 2, 3, 4 of the batch
+    tokens = pack.to_batch(torch.arange(pack.num_rows)).tokens_BL
+    chosen = []
+    for index in range(4):
+        sample = mismatch_sample(pack, n, index)
+        assert len(sample) == MISMATCH_SAMPLE_ROWS
+        (group,) = (pack.row_B[sample] // n).unique().tolist()
+        prompt = prompts[group - 2]
+        assert all(tokens[int(b), : len(prompt)].tolist() == prompt for b in sample)
+        chosen.append(group)
+    assert chosen == [2, 3, 4, 2]
+    part = pack.take(torch.arange(n + 4, pack.num_rows))  # two rows of prompt 3, then prompt 4
+    assert (part.row_B[mismatch_sample(part, n, 0)] // n).tolist() == [3, 3]
+    assert not mismatch_sample(pack.take(torch.zeros(0, dtype=torch.long)), n, 0).numel()
 
 
 def reference_rows(prompts, groups, index: list[int]):

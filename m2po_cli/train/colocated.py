@@ -142,7 +142,8 @@ def rollout(
     batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
     batch = distribute(batch, rows_per_update(recipe))
     recorded = recorder.due(index + recipe.queue_batches)
-    score_at_behaviour_version(batch, learner, recipe.algorithm.behaviour_logprobs == "learner" or recorded)
+    everything = recipe.algorithm.behaviour_logprobs == "learner" or recorded
+    score_at_behaviour_version(batch, learner, everything, recipe.rollout.n, index)
     return batch
 
 
@@ -216,18 +217,17 @@ def generate_share(
     return batch
 
 
-def score_at_behaviour_version(batch: PackedRollouts, learner: Learner, everything: bool) -> None:
+def score_at_behaviour_version(
+    batch: PackedRollouts, learner: Learner, everything: bool, group_size: int = 1, index: int = 0
+) -> None:
     """The learner's logprobs of this rank's rows at the version that generated them, and the
     engine-vs-learner mismatch metrics. A collective.
 
-    With `everything` every row is scored and kept as `learner_R`; otherwise only a sample of
-    `MISMATCH_SAMPLE_ROWS` rows per rank is scored, for the metrics alone.
+    With `everything` every row is scored and kept as `learner_R`; otherwise only a sample, for the
+    metrics alone (`mismatch_sample`).
     """
-    num = batch.num_rows if everything else min(MISMATCH_SAMPLE_ROWS, batch.num_rows)
-    index = (
-        torch.linspace(0, batch.num_rows - 1, num).round().long() if num else torch.zeros(0, dtype=torch.long)
-    )
-    rows = batch.to_batch(torch.arange(batch.num_rows) if everything else index)
+    sample = torch.arange(batch.num_rows) if everything else mismatch_sample(batch, group_size, index)
+    rows = batch.to_batch(sample)
     t0 = time.perf_counter()
     logprobs_BL, entropy_BL = learner.score(rows, with_entropy=True)
     mask_BL = rows.mask_BL.bool()
@@ -246,6 +246,19 @@ def score_at_behaviour_version(batch: PackedRollouts, learner: Learner, everythi
             "time/score": time.perf_counter() - t0,
         }
     )
+
+
+def mismatch_sample(batch: PackedRollouts, group_size: int, index: int) -> torch.Tensor:
+    """The rows scored for the mismatch metrics: up to `MISMATCH_SAMPLE_ROWS` of one prompt group
+    of this rank (rows `group_size` apart in the rollout batch's numbering share a prompt), the
+    `index`-th group in turn. One prompt, so the learner computes it once for them all
+    (`shared_prompts`): about a third of the tokens of as many rows of different prompts."""
+    groups_B = batch.row_B // group_size
+    here = groups_B.unique()
+    if not here.numel():
+        return torch.zeros(0, dtype=torch.long)
+    members = (groups_B == here[index % here.numel()]).nonzero().squeeze(1)
+    return members[:MISMATCH_SAMPLE_ROWS]
 
 
 def sampling_seed(run_seed: int, index: int, engine_group: int = 0) -> int:
