@@ -21,8 +21,8 @@ first and the last fifth of the steps; then the ratios m2po / TRL.
 What one step costs: 32 rows of ~55 prompt + up to 32 response tokens through a 134.5M-parameter
 model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward and backward as
 TRL runs it; m2po computes each group's prompt once (`train.share_prompts`), ~850 tokens, about
-0.7 TFLOP. Generation is ~500 tokens. m2po adds a 4-row pass at the behaviour version (metrics)
-and a 0.54 GB weight push into the engine. "update tok/s" counts the rows' tokens for both tools.
+0.7 TFLOP. Generation is ~500 tokens. m2po adds a pass over 4 rows of one prompt group at the
+behaviour version (metrics, ~120 tokens) and a 0.54 GB weight push into the engine. "update tok/s" counts the rows' tokens for both tools.
 """
 
 from __future__ import annotations
