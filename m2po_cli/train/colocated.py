@@ -250,7 +250,7 @@ def score_at_behaviour_version(
 
 def mismatch_sample(batch: PackedRollouts, group_size: int, index: int) -> torch.Tensor:
     """The rows scored for the mismatch metrics: up to `MISMATCH_SAMPLE_ROWS` of one prompt group
-    of this rank (rows `group_size` apart in the rollout batch's numbering share a prompt), the
+    of this rank (the rollout batch numbers its rows prompt-major, `group_size` to a prompt), the
     `index`-th group in turn. One prompt, so the learner computes it once for them all
     (`shared_prompts`): about a third of the tokens of as many rows of different prompts."""
     groups_B = batch.row_B // group_size
