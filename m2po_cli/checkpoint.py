@@ -17,10 +17,13 @@ checkpoint costs the steps since the one before it, never the run. HF exports li
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -130,27 +133,52 @@ def save(
 ) -> Path:
     """Save after `step` steps are done; a collective. Keeps the newest `keep` checkpoints.
 
-    `rank_files(folder)`, if given, writes this rank's own files (the staleness FIFO) into the folder."""
+    `rank_files(folder)`, if given, writes this rank's own files (the staleness FIFO) into the folder.
+    A SIGTERM or Ctrl-C that arrives meanwhile takes effect once the save is sealed (`signals_held`)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    path = step_dir(run_dir, step)
-    path.mkdir(parents=True, exist_ok=True)
-    # Before dcp.save, which returns on rank 0 only once every rank's writes are done: the queue
-    # shards are on disk before rank 0 lists the folder into the manifest.
-    if rank_files is not None:
-        rank_files(path)
-    dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
-    if dist.get_rank() == 0:
-        state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
-        torch.save(state, path / LOOP)
-        _seal(path, step)
-        done = complete_steps(path.parent.parent)
-        for old in done[:-keep]:
-            shutil.rmtree(old)
-    dist.barrier()
-    return path
+    with signals_held():
+        path = step_dir(run_dir, step)
+        path.mkdir(parents=True, exist_ok=True)
+        # Before dcp.save, which returns on rank 0 only once every rank's writes are done: the queue
+        # shards are on disk before rank 0 lists the folder into the manifest.
+        if rank_files is not None:
+            rank_files(path)
+        dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
+        if dist.get_rank() == 0:
+            state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
+            torch.save(state, path / LOOP)
+            _seal(path, step)
+            done = complete_steps(path.parent.parent)
+            for old in done[:-keep]:
+                shutil.rmtree(old)
+        dist.barrier()
+        return path
+
+
+@contextlib.contextmanager
+def signals_held(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """Hold SIGTERM and SIGINT until the block is done, then deliver them to the handlers they had.
+
+    A handler that raises (the run's SIGTERM handler, Ctrl-C's KeyboardInterrupt) inside a DCP save
+    would surface as DCP's CheckpointException, exit 1, and leave the step unsealed on some ranks;
+    held, every rank finishes the collective save and then stops as asked. Only the main thread can
+    set handlers; elsewhere this does nothing. If the block raises, the signals it held are dropped:
+    the run stops with its error."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: arrived.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    for s in dict.fromkeys(arrived):
+        signal.raise_signal(s)
 
 
 def _seal(path: Path, step: int) -> None:

@@ -246,10 +246,6 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _exit_on_sigterm() -> None:
     """A scheduler's SIGTERM (preemption, `scancel`, torchrun stopping its workers) unwinds the run as
     Ctrl-C does: the engines it started are stopped and its shared-memory weights removed."""
@@ -258,3 +254,7 @@ def _exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
+
+
+if __name__ == "__main__":
+    main()

@@ -173,3 +173,29 @@ def test_checkpoints_fall_every_k_steps_and_after_the_last_only_if_asked(tmp_pat
     assert due("checkpoint.every=0") == []
     assert due("checkpoint.every=4", "checkpoint.final=true") == [3, 7, 9]
     assert due("checkpoint.every=0", "checkpoint.final=true") == [9]
+
+
+def test_a_sigterm_during_a_save_stops_the_run_after_the_save_is_sealed(tiny, tmp_path):
+    """The run's SIGTERM handler raises SystemExit; raised inside the save, it would leave the step
+    unsealed (inside DCP's collectives it surfaces as a CheckpointException and exit 1)."""
+    import signal
+
+    from m2po_cli.cli import _exit_on_sigterm
+
+    learner, _, prompts = tiny
+    previous = signal.getsignal(signal.SIGTERM)
+    _exit_on_sigterm()
+    try:
+
+        def queue_then_sigterm(folder: Path) -> None:
+            StalenessQueue(0).save(folder, 0, 1)
+            signal.raise_signal(signal.SIGTERM)
+
+        loop = {"step": 7, "mode": "colocated", "data": prompts.state_dict()}
+        with pytest.raises(SystemExit) as stopped:
+            checkpoint.save(tmp_path, 7, learner, loop, keep=5, rank_files=queue_then_sigterm)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert checkpoint.verify(checkpoint.step_dir(tmp_path, 7)) is None
+    assert signal.getsignal(signal.SIGTERM) is previous
