@@ -22,7 +22,8 @@ What one step costs: 32 rows of ~55 prompt + up to 32 response tokens through a 
 model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward and backward as
 TRL runs it; m2po computes each group's prompt once (`train.share_prompts`), ~850 tokens, about
 0.7 TFLOP. Generation is ~500 tokens. m2po adds a pass over 4 rows of one prompt group at the
-behaviour version (metrics, ~120 tokens) and a 0.54 GB weight push into the engine. "update tok/s" counts the rows' tokens for both tools.
+behaviour version (metrics, ~120 tokens) and a 0.54 GB weight push into the engine. "update tok/s"
+counts the rows' tokens for both tools.
 """
 
 from __future__ import annotations

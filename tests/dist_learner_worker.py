@@ -88,7 +88,7 @@ def main(out: Path, extra: list[str]) -> None:
         if learner.rank != 0:
             batch = PackedRollouts.empty(batch.version)
         batch = distribute(batch, rows_per_update(recipe))
-        score_at_behaviour_version(batch, learner, everything=True)
+        score_at_behaviour_version(batch, learner, everything=True, group_size=recipe.rollout.n)
         # Every row scored on every rank by the same weights: what the rank's own rows' scores must be.
         whole = fixed_batch(step, 4, recipe.rollout.n, vocab)
         rows = whole.to_batch(torch.arange(whole.num_rows))

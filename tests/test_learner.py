@@ -354,7 +354,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
     # weights that AdamW may have moved apart by ~lr on entries with a near-zero gradient.
     norms_U, clip = [], learner._clip
     learner._clip = lambda: norms_U.append(clip()) or norms_U[-1]
-    score_at_behaviour_version(batch, learner, everything=True)
+    score_at_behaviour_version(batch, learner, everything=True, group_size=n)
     metrics = train_on(batch, learner, build_loss(recipe.loss), None, recipe, no_record(tmp_path, learner), 0)
     state = learner.arch.adapter.to_hf({k: v.full_tensor() for k, v in learner.model.state_dict().items()})
     half = batch.num_rows // 2

@@ -218,7 +218,7 @@ def generate_share(
 
 
 def score_at_behaviour_version(
-    batch: PackedRollouts, learner: Learner, everything: bool, group_size: int = 1, index: int = 0
+    batch: PackedRollouts, learner: Learner, everything: bool, group_size: int, index: int = 0
 ) -> None:
     """The learner's logprobs of this rank's rows at the version that generated them, and the
     engine-vs-learner mismatch metrics. A collective.
