@@ -227,13 +227,13 @@ class Learner:
         one micro-batch, the mask from that forward before its backward, with no other pass;
         otherwise the cheaper way, judged by what the previous update's correction cost).
         """
-        parts = self.micro_batches(batch) if self._in_forward_possible(loss_fn) else []
-        if len(parts) == 1:
+        parts = self.micro_batches(batch)  # a collective: every rank gets the same count
+        if len(parts) == 1 and self._in_forward_possible(loss_fn):
             metrics, log_ratio_BL = self._update_in_forward(batch, parts[0], loss_fn, num_tokens)
         elif loss_fn.keep_mask_aux and self._correct_after():
-            metrics, log_ratio_BL = self._update_correct_after(batch, loss_fn, num_tokens)
+            metrics, log_ratio_BL = self._update_correct_after(batch, parts, loss_fn, num_tokens)
         else:
-            metrics, log_ratio_BL = self._update_score_first(batch, loss_fn, num_tokens)
+            metrics, log_ratio_BL = self._update_score_first(batch, parts, loss_fn, num_tokens)
         grad_norm = self._clip()
         self.optimizer.step()
         self.scheduler.step()
@@ -285,7 +285,7 @@ class Learner:
         return self.recipe.train.global_pass == "correct_after"
 
     def _update_score_first(
-        self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
+        self, batch: Batch, parts: list[tuple[torch.Tensor, Batch]], loss_fn: PolicyLoss, num_tokens: int
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Gradients accumulated; the metrics and the raw log-ratios the forwards saw."""
         metrics: dict[str, torch.Tensor] = {}
@@ -302,7 +302,7 @@ class Learner:
                 self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
-        for index, part, lp, last in self._forwards(batch):
+        for index, part, lp, last in self._forwards(parts):
             length = part.tokens_BL.shape[1]
             seen_log_ratio_BL[index, :length] = (
                 lp.detach().cpu() - part.behaviour_logprobs_BL
@@ -314,14 +314,14 @@ class Learner:
         return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
 
     def _update_correct_after(
-        self, batch: Batch, loss_fn: PolicyLoss, num_tokens: int
+        self, batch: Batch, parts: list[tuple[torch.Tensor, Batch]], loss_fn: PolicyLoss, num_tokens: int
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The global mask from the training forwards' own logprobs (`mask_correction`): forwards and
         backwards under the provisional mask, the exact mask by `prepare`, then `_correct`. Metrics
         come from the saved logprobs and the exact mask, as `score_first` gives them."""
         provisional_BL = torch.zeros_like(batch.mask_BL, dtype=torch.bool)
         current_BL = torch.zeros_like(batch.mask_BL)
-        for index, part, lp, last in self._forwards(batch):
+        for index, part, lp, last in self._forwards(parts):
             length = part.tokens_BL.shape[1]
             current_BL[index, :length] = lp.detach().cpu()
             log_ratio_BL = (current_BL[index, :length] - part.behaviour_logprobs_BL) * part.mask_BL
@@ -374,7 +374,7 @@ class Learner:
         fix = Batch(
             batch.tokens_BL[rows_K], mask_KL, weight_KL, batch.advantages_B[rows_K], cut_K, None, prompts_K
         )
-        for index, _, lp, last in self._forwards(fix):
+        for index, _, lp, last in self._forwards(self.micro_batches(fix)):
             weight = weight_KL[index, : lp.shape[1]].to(self.device)
             self._backward(-(lp * weight).sum(), last)
         return share[0]
@@ -389,11 +389,12 @@ class Learner:
             num_tokens,
         )
 
-    def _forwards(self, batch: Batch) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, bool]]:
+    def _forwards(
+        self, parts: list[tuple[torch.Tensor, Batch]]
+    ) -> Iterator[tuple[torch.Tensor, Batch, torch.Tensor, bool]]:
         """(row index, rows, logprobs with grad, whether it is the last) per micro-batch; the caller
         runs the backward (`_backward`). A rank with fewer micro-batches than another runs an idle
-        forward and backward for each missing one."""
-        parts = self.micro_batches(batch)
+        forward and backward for each missing one (`micro_batches` pads `parts` with them)."""
         for i, (index, part) in enumerate(parts):
             last = i == len(parts) - 1  # every rank runs the same count
             lp, _ = self.forward_logprobs(part)
