@@ -27,8 +27,8 @@ class Batch:
     prompt_lengths_B: torch.Tensor | None = None
 
     def take(self, index_K: torch.Tensor) -> Batch:
-        """Rows at `index_K`, trimmed to their own longest row."""
-        length = int(self.lengths_B[index_K].max())
+        """Rows at `index_K`, trimmed to their own longest row (no rows: `[0, 1]`, as `to_batch`)."""
+        length = int(self.lengths_B[index_K].max()) if index_K.numel() else 1
         return Batch(
             self.tokens_BL[index_K, :length],
             self.mask_BL[index_K, :length],

@@ -311,6 +311,10 @@ class Learner:
             loss, m = self._loss(loss_fn, lp, part, aux, num_tokens)
             self._backward(loss, last)
             _add(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
+        if not batch.num_rows:  # no rows here: join the other ranks' sum with zeros of the same keys
+            with torch.no_grad():
+                loss, m = loss_fn(*[torch.zeros(batch.mask_BL.shape)] * 4, aux_BL, num_tokens)
+            additive = {k: torch.zeros(()) for k in [*m, "loss/loss"]}
         return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
 
     def _update_correct_after(

@@ -8,7 +8,8 @@ mask of `correct_after` gets wrong, follow from the noise alone, never from how 
 round on a given CPU (`tests/test_learner.py` checks that construction without a model). For each
 case (a `global_pass`, and for `correct_after` the provisional threshold the first update starts
 from) a fresh learner runs two updates; each rank writes the clipped gradient and full weights of
-each update, the tokens its forwards ran over, and the metrics to OUT/rank<r>.pt.
+each update, the tokens its forwards ran over, and the metrics to OUT/rank<r>.pt. With `--idle-rank`
+rank 0 keeps all nine rows and rank 1 none: a rank with nothing to train still joins every collective.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def update_noise(batch: Batch, update: int) -> torch.Tensor:
 
 def main(out: Path, extra: list[str]) -> None:
     torch.set_num_threads(1)
+    idle_rank = "--idle-rank" in extra
+    extra = [e for e in extra if e != "--idle-rank"]
     loss_fn = build_loss(load_recipe(QUICKSTART, OVERRIDES).loss)
     results = {}
     for name, provisional_z in CASES.items():
@@ -86,7 +89,8 @@ def main(out: Path, extra: list[str]) -> None:
         whole = whole_batch(learner.arch.hf_config["vocab_size"])
         rows = torch.arange(whole.num_rows)
         if learner.world == 2:
-            rows = torch.arange(6) if learner.rank == 0 else torch.arange(6, 9)
+            split = 9 if idle_rank else 6
+            rows = torch.arange(split) if learner.rank == 0 else torch.arange(split, 9)
         batch = whole.take(rows)
         num_tokens = torch.tensor([batch.mask_BL.sum()])
         torch.distributed.all_reduce(num_tokens)
@@ -109,7 +113,8 @@ def main(out: Path, extra: list[str]) -> None:
             metrics = learner.update(batch, loss_fn, int(num_tokens))
             # A copy: with one shard, `full_tensor` is the live parameter, which the next update moves.
             full = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
-            one_forward = batch.num_rows * int(batch.lengths_B.max())  # its rows padded as one micro-batch
+            # its rows padded as one micro-batch
+            one_forward = batch.num_rows * int(batch.lengths_B.max()) if batch.num_rows else 0
             steps.append(
                 {
                     "metrics": metrics,
@@ -124,4 +129,4 @@ def main(out: Path, extra: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])  # OUT [KEY=VALUE ...]: recipe overrides (HSDP degrees)
+    main(Path(sys.argv[1]), sys.argv[2:])  # OUT [--idle-rank] [KEY=VALUE ...]: overrides (HSDP degrees)

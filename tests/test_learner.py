@@ -262,6 +262,26 @@ def test_correct_after_equals_score_first_two_ranks_uneven(tmp_path, layout):
             assert all(torch.equal(v, theirs["state"][k]) for k, v in mine["state"].items()), name
 
 
+@pytest.mark.slow
+def test_a_rank_without_rows_takes_every_path_with_the_others(tmp_path):
+    """Fewer rows in an update than ranks: rank 1 holds none. Every way to the global mask still
+    runs (no collective left waiting), and both ranks end with one process's weights and metrics."""
+    (single,) = run_update_worker(tmp_path / "one", 1)
+    rank0, rank1 = run_update_worker(tmp_path / "two", 2, "--idle-rank")
+    assert_correct_after_equals_score_first(rank0, update_recipe())
+    for name, steps in rank0.items():
+        for step, (mine, theirs, one) in enumerate(zip(steps, rank1[name], single[name], strict=True)):
+            where = f"{name}, update {step + 1}"
+            assert mine["metrics"] == theirs["metrics"], where
+            assert all(torch.equal(v, theirs["state"][k]) for k, v in mine["state"].items()), where
+            assert mine["metrics"]["loss/num_tokens"] == one["metrics"]["loss/num_tokens"], where
+            assert mine["metrics"]["m2po/num_masked"] == one["metrics"]["m2po/num_masked"], where
+            assert mine["metrics"]["loss/loss"] == pytest.approx(one["metrics"]["loss/loss"], rel=1e-5), where
+        first, one = steps[0]["grad"], single[name][0]["grad"]  # the same weights: float order alone
+        scale = max(float(value.abs().max()) for value in one.values())
+        assert max_gap(first, one) <= 1e-5 * scale, name
+
+
 def literal_grpo_updates(model_dir: Path, rows: list[tuple[list[int], int, float]], updates, recipe):
     """The standard GRPO update, written out row by row on the HF model (TRL's and verl's formula):
     behaviour = the starting policy's logprobs at the sampling temperature; per token
