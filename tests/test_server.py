@@ -322,3 +322,33 @@ def test_weight_folders_of_killed_runs_are_swept(tmp_path):
         (folder / "v00000001").mkdir(parents=True)
     assert sweep_orphans(tmp_path) == [orphan]
     assert not orphan.exists() and live.exists() and other.exists()
+
+
+# A server that drops the first connection, then takes a while to die of SIGKILL: the window in
+# which the connection is gone while the process still runs (its sockets close first when killed).
+DYING_SERVER = """
+import os, signal, socket, sys, time
+sock = socket.create_server(("127.0.0.1", 0))
+print(sock.getsockname()[1], flush=True)
+conn, _ = sock.accept()
+conn.recv(65536)
+conn.close()
+time.sleep(float(sys.argv[1]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("route", ["/pause", "/get_world_size"])
+def test_a_server_killed_mid_request_is_named_as_exited_not_as_a_dropped_connection(tmp_path, route):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", DYING_SERVER, "1.0"], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    server = EngineServer(f"http://127.0.0.1:{port}", proc, tmp_path / "engine-0.log")
+    with pytest.raises(EngineError) as failed:
+        server.post(route) if route == "/pause" else server.world_size()
+    assert str(failed.value) == (
+        f"rollout server http://127.0.0.1:{port} (vllm serve, pid {proc.pid}) exited with code -9; "
+        f"see {tmp_path / 'engine-0.log'}"
+    )

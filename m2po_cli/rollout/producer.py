@@ -42,6 +42,7 @@ from m2po_cli.config import RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
 from m2po_cli.rollout.engine import Completion
 from m2po_cli.rollout.server import (
+    EXIT_GRACE_S,
     GENERATE,
     EngineError,
     EngineServer,
@@ -148,10 +149,11 @@ class RolloutProducer:
             assert 0 <= staleness <= self.max_staleness, f"admission let staleness reach {staleness}"
         return taken
 
-    def _check_progress(self) -> None:
-        """Under the lock: stop the run if a started server died or nothing finished for too long."""
+    def _check_progress(self, grace_s: float = 0.0) -> None:
+        """Under the lock: stop the run if a started server died (waiting `grace_s` for one that is
+        exiting) or nothing finished for too long."""
         for s in self.servers:
-            if (why := s.exited()) is not None:
+            if (why := s.exited(grace_s)) is not None:
                 self.error = EngineError(why)
         waited = time.monotonic() - self._last_progress
         if self.error is None and self.running and waited > self.cfg.request_timeout_s:
@@ -304,6 +306,8 @@ class RolloutProducer:
             with self.cond:
                 self._check_progress()  # a dead server says so, not "no answer"
                 self._failures += 1
+                if self.error is None and self._failures > MAX_FAILURES:
+                    self._check_progress(grace_s=EXIT_GRACE_S)  # a killed server may still be exiting
                 if self.error is None and self._failures > MAX_FAILURES:
                     self.error = EngineError(
                         f"{url}{GENERATE}: {self._failures} requests in a row got no answer "

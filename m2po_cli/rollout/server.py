@@ -39,6 +39,7 @@ from m2po_cli.rollout.settings import (
 )
 
 SERVED_NAME = "policy"
+EXIT_GRACE_S = 5.0  # how long a dropped connection waits for a started server's process to end
 _PR_SET_PDEATHSIG = 1
 
 
@@ -246,10 +247,12 @@ class EngineServer:
         route, are refusals in one line."""
         try:
             response = self.http.request(verb, route, **kw)
-        except httpx.ConnectError:
-            raise self._refuse("refused the connection: is vllm serve running there?") from None
         except httpx.TransportError as e:
-            raise self._refuse(self.exited() or f"{route}: {type(e).__name__}: {e}") from None
+            if why := self.exited(EXIT_GRACE_S):
+                raise EngineError(why) from None
+            if isinstance(e, httpx.ConnectError):
+                raise self._refuse("refused the connection: is vllm serve running there?") from None
+            raise self._refuse(f"{route}: {type(e).__name__}: {e}") from None
         if response.status_code == 404 and hint:
             raise self._refuse(f"has no {route} route: {hint}")
         return response
@@ -270,20 +273,33 @@ class EngineServer:
 
     # --- control routes ---------------------------------------------------------------------------
 
-    def exited(self) -> str | None:
-        """Why a server this run started is gone (one line naming its log), or None while it runs."""
-        if self.proc is None or self.proc.poll() is None:
+    def exited(self, grace_s: float = 0.0) -> str | None:
+        """Why a server this run started is gone (one line naming its log), or None while it runs.
+
+        After a dropped connection pass a `grace_s`: a killed server's sockets close while its
+        process is still exiting, so it is waited for that long before it counts as alive."""
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(timeout=grace_s) if grace_s > 0 else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.returncode is None:
             return None
         return (
             f"rollout server {self.url} (vllm serve, pid {self.proc.pid}) exited with code "
             f"{self.proc.returncode}; see {self.log_path}"
         )
 
+    def _lost(self, route: str, e: httpx.TransportError) -> EngineError:
+        """A request to `route` got no answer: the server's exit when it is gone, else the error."""
+        return EngineError(self.exited(EXIT_GRACE_S) or f"rollout server {self.url}{route}: {e}")
+
     def post(self, route: str, **kw) -> httpx.Response:
         try:
             response = self.http.post(route, **kw)
         except httpx.TransportError as e:
-            raise EngineError(self.exited() or f"rollout server {self.url}{route}: {e}") from None
+            raise self._lost(route, e) from None
         if response.status_code != 200:
             raise EngineError(
                 f"rollout server {self.url}{route}: HTTP {response.status_code}: {one_line(response.text)}"
@@ -315,7 +331,7 @@ class EngineServer:
         try:
             return int(self.http.get("/get_world_size", params={"include_dp": "true"}).json()["world_size"])
         except httpx.TransportError as e:
-            raise EngineError(f"rollout server {self.url}/get_world_size: {e}") from None
+            raise self._lost("/get_world_size", e) from None
 
     def set_version(self, version: int) -> None:
         self.post("/update_weight_version", json={"new_version": str(version)})
@@ -324,7 +340,7 @@ class EngineServer:
         try:
             return self.http.get("/weight_info").json()["weight_version"]
         except httpx.TransportError as e:
-            raise EngineError(f"rollout server {self.url}/weight_info: {e}") from None
+            raise self._lost("/weight_info", e) from None
 
     def check_version(self, version: int) -> None:
         """Stop the run if the engine does not report the learner's weight version."""
