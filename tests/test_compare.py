@@ -43,6 +43,7 @@ def fake_run(folder: Path, arm: str, seed: int, steps: int = 23, *extra: str) ->
             "step": step, "optim/version": step + 1, "rollout/reward_mean": x * (1 + step / steps),
             "loss/clip_frac": 0.001 * ((step + seed) % 5) * (10 if arm == "grpo" else 1),
             "loss/abs_log_ratio_mean": 0.01 + 0.001 * step, "time/step": 0.4 + 0.01 * seed,
+            "staleness/behaviour_version": float(max(0, step - recipe.staleness.s)),
         })  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run
@@ -82,6 +83,37 @@ def test_numbers_are_the_metrics_recomputed_and_seeds_form_arms(runs):
         assert arm["reward_last_se"] == pytest.approx(statistics.stdev(values) / math.sqrt(3), rel=1e-9)
 
 
+def test_rewards_by_policy_version_are_of_the_versions_every_run_sampled(tmp_path):
+    """Stale runs (s = 8) reach version 14 in 23 steps, on-policy ones version 22: both are read at
+    the last 4 (a fifth of 23 steps) versions the stale ones reached, 11-14."""
+    stale = [fake_run(tmp_path, "m2po", seed) for seed in (0, 1, 2)]
+    fresh = [fake_run(tmp_path, "grpo", seed, 23, "staleness.s=0") for seed in (0, 1)]
+    report = compare(read_runs(stale + fresh))
+    assert report["versions"] == [11, 14]
+    for row, run in zip(report["runs"], stale + fresh, strict=True):
+        reward = [
+            json.loads(line)["rollout/reward_mean"]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
+        steps = range(19, 23) if run in stale else range(11, 15)  # the steps that sampled versions 11-14
+        assert row["reward_versions"] == pytest.approx(sum(reward[i] for i in steps) / 4, rel=1e-12), run.name
+    fresh_arm = report["arms"][1]
+    values = [r["reward_versions"] for r in report["runs"][3:]]
+    assert fresh_arm["arm"] == "grpo, s=0" and fresh_arm["reward_versions"] == pytest.approx(
+        statistics.mean(values)
+    )
+    assert fresh_arm["reward_versions_se"] == pytest.approx(statistics.stdev(values) / math.sqrt(2))
+    # a run that does not log its steps' versions: no by-version reward, for any run
+    lines = (fresh[0] / "metrics.jsonl").read_text().splitlines()
+    old = [
+        json.dumps({k: v for k, v in json.loads(line).items() if k != "staleness/behaviour_version"})
+        for line in lines
+    ]
+    (fresh[0] / "metrics.jsonl").write_text("\n".join(old) + "\n")
+    report = compare(read_runs(stale + fresh))
+    assert report["versions"] is None and all(r["reward_versions"] is None for r in report["runs"])
+
+
 def m2po(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
@@ -117,6 +149,8 @@ def test_the_command_prints_whole_numbers_piped_at_80_columns_without_vllm_or_to
         assert row["run"] in done.stdout and f"{row['reward_last']:.3f}" in done.stdout
     for arm in report["arms"]:
         assert f"{arm['reward_peak']:.3f} ± {arm['reward_peak_se']:.3f}" in done.stdout
+        assert f"{arm['reward_versions']:.3f} ± {arm['reward_versions_se']:.3f}" in done.stdout
+    assert f"reward, versions {report['versions'][0]}-{report['versions'][1]}" in done.stdout
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["clipped_or_masked.png", "reward.png"]
 
 

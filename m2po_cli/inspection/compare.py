@@ -7,7 +7,10 @@ with the standard error of that mean. Per run:
 - reward of the first and the last fifth of its steps (means of `rollout/reward_mean`), and its peak:
   the largest mean over `window` consecutive steps (a tenth of the run, at least one step);
 - the share of tokens its loss clipped or masked (`loss/clip_frac`), the mean |log r| of its tokens
-  (`loss/abs_log_ratio_mean`) and seconds per step (`time/step`), each a mean over the steps.
+  (`loss/abs_log_ratio_mean`) and seconds per step (`time/step`), each a mean over the steps;
+- the reward of the rollouts sampled by the same policy versions in every run (`common_versions`):
+  a run s updates stale logs, at step t, the reward of policy t - s, so by step it lags an on-policy
+  run by s updates while rewards still rise; by policy version the two are compared like for like.
 
 Figures (`write_figures`): the reward, and the clipped or masked share, against optimizer updates,
 one line per arm (the mean over its seeds, a band from the lowest to the highest seed).
@@ -20,12 +23,14 @@ import math
 import statistics
 import tomllib
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 # What a run's recipe may differ in and still be a seed of the same arm.
 NOT_THE_ARM = {"run": ("seed", "name", "output_dir"), "logging": None, "checkpoint": None, "inspect": None}
-NUMBERS = ("reward_first", "reward_last", "reward_peak", "acted", "abs_log_ratio", "seconds_per_step")
+NUMBERS = (
+    "reward_first", "reward_last", "reward_peak", "reward_versions", "acted", "abs_log_ratio", "seconds_per_step"
+)  # fmt: skip
+BEHAVIOUR = "staleness/behaviour_version"  # the oldest policy version that sampled the step's rollouts
 
 
 class CompareError(Exception):
@@ -67,11 +72,6 @@ class Run:
 
     def task_key(self) -> str:
         return json.dumps(self.config.get("data", {}), sort_keys=True)
-
-    @cached_property
-    def summary(self) -> dict:
-        """The run's numbers (the table's row), computed once."""
-        return summary(self)
 
 
 def read_run(path: Path) -> Run:
@@ -122,13 +122,30 @@ def window(num_steps: int) -> int:
     return max(1, num_steps // 10)
 
 
-def summary(run: Run) -> dict:
-    """One run's numbers (the table's row)."""
+def common_versions(runs: list[Run]) -> tuple[int, int] | None:
+    """The policy versions [first, last] whose rollouts every run logged, as many as a fifth of the
+    shortest run's steps, ending at the newest version every run reached; None if a run does not log
+    its steps' versions."""
+    if any(BEHAVIOUR not in s for run in runs for s in run.steps):
+        return None
+    last = min(int(max(s[BEHAVIOUR] for s in run.steps)) for run in runs)
+    fifth = max(1, min(len(run.steps) for run in runs) // 5)
+    return max(0, last - fifth + 1), last
+
+
+def summary(run: Run, versions: tuple[int, int] | None = None) -> dict:
+    """One run's numbers (the table's row); `versions` from `common_versions`."""
     reward = [s["rollout/reward_mean"] for s in run.steps]
     n, fifth, w = len(reward), max(1, len(reward) // 5), window(len(reward))
 
     def over_steps(key: str) -> float | None:
         return _mean([s[key] for s in run.steps if key in s])
+
+    at_versions = []
+    if versions is not None:
+        at_versions = [
+            s["rollout/reward_mean"] for s in run.steps if versions[0] <= s[BEHAVIOUR] <= versions[1]
+        ]
 
     return {
         "run": str(run.path),
@@ -140,6 +157,7 @@ def summary(run: Run) -> dict:
         "reward_first": _mean(reward[:fifth]),
         "reward_last": _mean(reward[-fifth:]),
         "reward_peak": max(_mean(reward[i : i + w]) for i in range(n - w + 1)),
+        "reward_versions": _mean(at_versions),
         "acted": over_steps("loss/clip_frac"),
         "abs_log_ratio": over_steps("loss/abs_log_ratio_mean"),
         "seconds_per_step": over_steps("time/step"),
@@ -179,9 +197,12 @@ def arm_summary(label: str, rows: list[dict]) -> dict:
 
 def compare(runs: list[Run]) -> dict:
     """Everything `m2po compare` shows, as plain numbers (its `--json`)."""
+    versions = common_versions(runs)
+    rows = {id(run): summary(run, versions) for run in runs}
     return {
-        "runs": [run.summary for run in runs],
-        "arms": [arm_summary(label, [r.summary for r in members]) for label, members in group(runs)],
+        "versions": None if versions is None else list(versions),
+        "runs": [rows[id(run)] for run in runs],
+        "arms": [arm_summary(label, [rows[id(r)] for r in members]) for label, members in group(runs)],
     }
 
 
@@ -259,18 +280,24 @@ def _pm(row: dict, key: str, fmt: str = ".3f", scale: float = 1.0) -> str:
     return _f(row[key], fmt, scale) + ("" if se is None else f" ± {_f(se, fmt, scale)}")
 
 
+def _versions_column(report: dict) -> str:
+    """The header of the by-version reward: the policy versions it averages."""
+    versions = report["versions"]
+    return "reward, versions -" if versions is None else f"reward, versions {versions[0]}-{versions[1]}"
+
+
 def run_table(report: dict):
     from rich.table import Table
 
     t = Table(title="runs", title_justify="left")
     for name in ("run", "loss", "s", "seed", "steps", "updates", "reward first 1/5", "last 1/5", "peak",
-                 "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
+                 _versions_column(report), "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
         t.add_column(name, justify="left" if name in ("run", "loss") else "right", no_wrap=True)
     for r in report["runs"]:
         t.add_row(
             r["run"], r["loss"], r["staleness"], str(r["seed"]), str(r["steps"]), str(r["updates"]),
-            _f(r["reward_first"]), _f(r["reward_last"]), _f(r["reward_peak"]), _f(r["acted"], ".2f", 100),
-            _f(r["abs_log_ratio"], ".4f"), _f(r["seconds_per_step"], ".2f"),
+            _f(r["reward_first"]), _f(r["reward_last"]), _f(r["reward_peak"]), _f(r["reward_versions"]),
+            _f(r["acted"], ".2f", 100), _f(r["abs_log_ratio"], ".4f"), _f(r["seconds_per_step"], ".2f"),
         )  # fmt: skip
     return t
 
@@ -279,14 +306,14 @@ def arm_table(report: dict):
     from rich.table import Table
 
     t = Table(title="arms: mean ± standard error over seeds", title_justify="left")
-    for name in ("arm", "seeds", "steps", "reward first 1/5", "last 1/5", "peak", "clipped/masked %",
-                 "mean |log r|", "s/step"):  # fmt: skip
+    for name in ("arm", "seeds", "steps", "reward first 1/5", "last 1/5", "peak", _versions_column(report),
+                 "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
         t.add_column(name, justify="left" if name == "arm" else "right", no_wrap=True)
     for a in report["arms"]:
         t.add_row(
             a["arm"], str(len(a["seeds"])), str(a["steps"]), _pm(a, "reward_first"), _pm(a, "reward_last"),
-            _pm(a, "reward_peak"), _pm(a, "acted", ".2f", 100), _pm(a, "abs_log_ratio", ".4f"),
-            _pm(a, "seconds_per_step", ".2f"),
+            _pm(a, "reward_peak"), _pm(a, "reward_versions"), _pm(a, "acted", ".2f", 100),
+            _pm(a, "abs_log_ratio", ".4f"), _pm(a, "seconds_per_step", ".2f"),
         )  # fmt: skip
     return t
 
