@@ -30,8 +30,9 @@ ARMS = {
 }
 
 
-def fake_run(folder: Path, arm: str, seed: int, steps: int = 23, *extra: str) -> Path:
-    """A run directory as `m2po train` leaves it: its resolved recipe and one metrics line a step."""
+def fake_run(folder: Path, arm: str, seed: int, steps: int = 23, *extra: str, newest: bool = False) -> Path:
+    """A run directory as `m2po train` leaves it: its resolved recipe and one metrics line a step
+    (`newest`: with the reward of the batch each step generates, as colocated runs log it)."""
     recipe = load_recipe(QUICKSTART, [*ARMS[arm], f"run.seed={seed}", f'run.name="{arm}-{seed}"', *extra])
     run = folder / f"{arm}-{seed}"
     run.mkdir(parents=True)
@@ -45,8 +46,17 @@ def fake_run(folder: Path, arm: str, seed: int, steps: int = 23, *extra: str) ->
             "loss/abs_log_ratio_mean": 0.01 + 0.001 * step, "time/step": 0.4 + 0.01 * seed,
             "staleness/behaviour_version": float(max(0, step - recipe.staleness.s)),
         })  # fmt: skip
+        if newest:
+            lines[-1] |= {
+                "staleness/newest_version": float(step),
+                "rollout/newest_reward_mean": newest_reward(step, seed),
+            }
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run
+
+
+def newest_reward(step: int, seed: int) -> float:
+    return 0.3 + 0.02 * step + 0.007 * ((step * 5 + seed) % 3)
 
 
 @pytest.fixture
@@ -112,6 +122,30 @@ def test_rewards_by_policy_version_are_of_the_versions_every_run_sampled(tmp_pat
     (fresh[0] / "metrics.jsonl").write_text("\n".join(old) + "\n")
     report = compare(read_runs(stale + fresh))
     assert report["versions"] is None and all(r["reward_versions"] is None for r in report["runs"])
+    assert set(figures(read_runs(stale + fresh))) == {"reward", "clipped_or_masked"}
+
+
+def test_colocated_runs_are_read_at_the_versions_their_steps_generated(tmp_path):
+    """Runs that log the batch each step generates reach their last policy whatever their staleness:
+    stale and on-policy runs of 23 steps are both read at versions 19-22, from those batches."""
+    stale = [fake_run(tmp_path, "m2po", seed, newest=True) for seed in (0, 1)]
+    fresh = [fake_run(tmp_path, "grpo", seed, 23, "staleness.s=0", newest=True) for seed in (0, 1)]
+    report = compare(read_runs(stale + fresh))
+    assert report["versions"] == [19, 22]
+    for row, run in zip(report["runs"], stale + fresh, strict=True):
+        seed = int(run.name[-1])
+        expected = sum(newest_reward(step, seed) for step in range(19, 23)) / 4
+        assert row["reward_versions"] == pytest.approx(expected, rel=1e-12), run.name
+    # beside runs that log only their trained batches, those bound the versions
+    report = compare(read_runs([*stale, fake_run(tmp_path / "old", "m2po", 0)]))
+    assert report["versions"] == [11, 14]
+    expected = sum(newest_reward(step, 0) for step in range(11, 15)) / 4
+    assert report["runs"][0]["reward_versions"] == pytest.approx(expected, rel=1e-12)
+    fig = figures(read_runs(stale))["policy_reward"]
+    (line,) = fig.axes[0].get_lines()
+    assert list(line.get_xdata()) == [float(v) for v in range(1, 23, 2)]  # 2-version windows, at their last
+    first = statistics.mean((newest_reward(0, seed) + newest_reward(1, seed)) / 2 for seed in (0, 1))
+    assert line.get_ydata()[0] == pytest.approx(first, rel=1e-12)
 
 
 def m2po(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -151,16 +185,19 @@ def test_the_command_prints_whole_numbers_piped_at_80_columns_without_vllm_or_to
         assert f"{arm['reward_peak']:.3f} ± {arm['reward_peak_se']:.3f}" in done.stdout
         assert f"{arm['reward_versions']:.3f} ± {arm['reward_versions_se']:.3f}" in done.stdout
     assert f"reward, versions {report['versions'][0]}-{report['versions'][1]}" in done.stdout
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["clipped_or_masked.png", "reward.png"]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == [
+        "clipped_or_masked.png", "policy_reward.png", "reward.png"
+    ]  # fmt: skip
 
 
 def test_figures_have_a_line_per_arm_labelled_axes_and_a_legend(runs):
     made = figures(read_runs(runs))
-    assert set(made) == {"reward", "clipped_or_masked"}
-    for fig in made.values():
+    assert set(made) == {"reward", "clipped_or_masked", "policy_reward"}
+    for name, fig in made.items():
         (ax,) = fig.axes
         assert len(ax.get_lines()) == 2 and len(ax.collections) == 2  # a mean line and a seed band per arm
-        assert ax.get_xlabel() == "optimizer updates" and ax.get_ylabel()
+        xlabel = "policy version (optimizer updates)" if name == "policy_reward" else "optimizer updates"
+        assert ax.get_xlabel() == xlabel and ax.get_ylabel()
         assert [t.get_text() for t in ax.get_legend().get_texts()] == [
             "m2po tau=0.04, s=8 (3 seeds)", "grpo, s=8 (3 seeds)"
         ]  # fmt: skip

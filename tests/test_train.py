@@ -47,6 +47,11 @@ def test_staleness_is_exactly_s_after_warm_up(uninterrupted):
         assert r["staleness/behaviour_version"] == step * updates - first
         assert (r["staleness/min"], r["staleness/max"]) == (first, first + updates - 1)
         assert first < r["staleness/mean"] < first + updates - 1
+    # The batch a step generates is the current policy's; it is trained K steps later.
+    for r, later in zip(rows[:-k], rows[k:], strict=True):
+        assert r["staleness/newest_version"] == r["step"] * updates == later["staleness/behaviour_version"]
+        assert r["rollout/newest_reward_mean"] == pytest.approx(later["rollout/reward_mean"], rel=1e-12)
+    assert len({r["rollout/reward_mean"] for r in rows}) > 1  # the rewards tell the batches apart
 
 
 def test_run_directory_describes_itself(uninterrupted):

@@ -9,11 +9,14 @@ with the standard error of that mean. Per run:
 - the share of tokens its loss clipped or masked (`loss/clip_frac`), the mean |log r| of its tokens
   (`loss/abs_log_ratio_mean`) and seconds per step (`time/step`), each a mean over the steps;
 - the reward of the rollouts sampled by the same policy versions in every run (`common_versions`):
-  a run s updates stale logs, at step t, the reward of policy t - s, so by step it lags an on-policy
-  run by s updates while rewards still rise; by policy version the two are compared like for like.
+  a run s updates stale trains, at step t, on the samples of policy t - s, so its logged reward lags
+  an on-policy run's by s updates while rewards still rise; by policy version the two are compared
+  like for like. A colocated run also logs the batch each step generates, by the policy of that
+  step (`policy_rewards`), so its versions reach the run's last policy.
 
 Figures (`write_figures`): the reward, and the clipped or masked share, against optimizer updates,
-one line per arm (the mean over its seeds, a band from the lowest to the highest seed).
+and the reward of each policy version's samples against the version; one line per arm (the mean
+over its seeds, a band from the lowest to the highest seed).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ NUMBERS = (
     "reward_first", "reward_last", "reward_peak", "reward_versions", "acted", "abs_log_ratio", "seconds_per_step"
 )  # fmt: skip
 BEHAVIOUR = "staleness/behaviour_version"  # the oldest policy version that sampled the step's rollouts
+# Colocated runs: the batch each step generates (trained s updates later), and its policy version.
+NEWEST_REWARD, NEWEST_VERSION = "rollout/newest_reward_mean", "staleness/newest_version"
 
 
 class CompareError(Exception):
@@ -122,13 +127,25 @@ def window(num_steps: int) -> int:
     return max(1, num_steps // 10)
 
 
+def policy_rewards(run: Run) -> list[tuple[float, float]] | None:
+    """(policy version, mean reward of a batch it sampled), a pair per step: the batches the steps
+    generated where the run logs them (colocated runs: the policy of that step), else the batches
+    they trained (`BEHAVIOUR`); None if a step logs neither."""
+    if all(NEWEST_VERSION in s and NEWEST_REWARD in s for s in run.steps):
+        return [(s[NEWEST_VERSION], s[NEWEST_REWARD]) for s in run.steps]
+    if all(BEHAVIOUR in s for s in run.steps):
+        return [(s[BEHAVIOUR], s["rollout/reward_mean"]) for s in run.steps]
+    return None
+
+
 def common_versions(runs: list[Run]) -> tuple[int, int] | None:
     """The policy versions [first, last] whose rollouts every run logged, as many as a fifth of the
     shortest run's steps, ending at the newest version every run reached; None if a run does not log
-    its steps' versions."""
-    if any(BEHAVIOUR not in s for run in runs for s in run.steps):
+    its batches' versions."""
+    pairs = [policy_rewards(run) for run in runs]
+    if any(p is None for p in pairs):
         return None
-    last = min(int(max(s[BEHAVIOUR] for s in run.steps)) for run in runs)
+    last = min(int(max(v for v, _ in p)) for p in pairs)
     fifth = max(1, min(len(run.steps) for run in runs) // 5)
     return max(0, last - fifth + 1), last
 
@@ -143,9 +160,7 @@ def summary(run: Run, versions: tuple[int, int] | None = None) -> dict:
 
     at_versions = []
     if versions is not None:
-        at_versions = [
-            s["rollout/reward_mean"] for s in run.steps if versions[0] <= s[BEHAVIOUR] <= versions[1]
-        ]
+        at_versions = [r for v, r in policy_rewards(run) if versions[0] <= v <= versions[1]]
 
     return {
         "run": str(run.path),
@@ -206,29 +221,44 @@ def compare(runs: list[Run]) -> dict:
     }
 
 
+POLICY = "policy"  # FIGURES' key for the reward against the policy version (`policy_rewards`)
+
+
+def series(run: Run, key: str) -> list[tuple[float, float]] | None:
+    """(x, y) a step: `key` against the updates done after the step (`optim/version`), or for
+    `POLICY` the reward of each version's samples against the version, in version order."""
+    if key == POLICY:
+        pairs = policy_rewards(run)
+        return None if pairs is None else sorted(pairs, key=lambda p: p[0])
+    return [(float(s.get("optim/version", i + 1)), s.get(key, 0.0)) for i, s in enumerate(run.steps)]
+
+
 def curves(members: list[Run], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(updates, mean, lowest, highest) over the arm's seeds of `key` averaged over `window` steps, on
-    the steps every seed reached; updates are the first seed's `optim/version` at each point."""
-    n = min(len(r.steps) for r in members)
+    """(x, mean, lowest, highest) over the arm's seeds of `series` averaged over `window` points, on
+    the points every seed reached; x is the first seed's at each window's last point."""
+    points = [series(r, key) for r in members]
+    n = min(len(p) for p in points)
     w = window(n)
     xs, mean, low, high = [], [], [], []
     for i in range(0, n - w + 1, w):
-        values = [_mean([s.get(key, 0.0) for s in r.steps[i : i + w]]) for r in members]
-        xs.append(float(members[0].steps[i + w - 1].get("optim/version", i + w)))
+        values = [_mean([y for _, y in p[i : i + w]]) for p in points]
+        xs.append(float(points[0][i + w - 1][0]))
         mean.append(math.fsum(values) / len(values))
         low.append(min(values))
         high.append(max(values))
     return xs, mean, low, high
 
 
-FIGURES = {
-    "reward": ("rollout/reward_mean", "reward (mean over the batch)", 1.0),
-    "clipped_or_masked": ("loss/clip_frac", "tokens clipped or masked (%)", 100.0),
+FIGURES = {  # name: (series key, y label, scale, x label)
+    "reward": ("rollout/reward_mean", "reward (mean over the batch)", 1.0, "optimizer updates"),
+    "clipped_or_masked": ("loss/clip_frac", "tokens clipped or masked (%)", 100.0, "optimizer updates"),
+    "policy_reward": (POLICY, "reward of the policy's samples", 1.0, "policy version (optimizer updates)"),
 }
 
 
 def figures(runs: list[Run]):
-    """One matplotlib figure per entry of FIGURES: a line per arm, a band over its seeds."""
+    """One matplotlib figure per entry of FIGURES: a line per arm, a band over its seeds (no
+    `policy_reward` if a run does not log its batches' versions)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,7 +266,9 @@ def figures(runs: list[Run]):
 
     arms = group(runs)
     out = {}
-    for name, (key, ylabel, scale) in FIGURES.items():
+    for name, (key, ylabel, scale, xlabel) in FIGURES.items():
+        if any(series(run, key) is None for run in runs):
+            continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
         for label, members in arms:
             xs, mean, low, high = curves(members, key)
@@ -245,7 +277,7 @@ def figures(runs: list[Run]):
                 ax.fill_between(
                     xs, [scale * v for v in low], [scale * v for v in high], color=line.get_color(), alpha=0.2
                 )
-        ax.set_xlabel("optimizer updates")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(f"{ylabel.split(' (')[0]}, mean over windows of a tenth of the steps")
         ax.grid(alpha=0.3)

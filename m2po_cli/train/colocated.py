@@ -34,6 +34,10 @@ from m2po_cli.train.updates import rows_per_update
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4
+# The mean reward of the batch a step generates, by the policy of that moment (the batch is trained
+# s updates later); `generate_share` leaves it in the batch's meta and the source logs it that step.
+NEWEST_REWARD = "rollout/newest_reward_mean"
+NEWEST_VERSION = "staleness/newest_version"
 
 
 class ColocatedSource:
@@ -57,6 +61,7 @@ class ColocatedSource:
     ):
         self.recipe, self.learner, self.prompts, self.recorder = recipe, learner, prompts, recorder
         self.queue = StalenessQueue(recipe.queue_batches)
+        self.newest: dict[str, float] = {}
         self._stack = ExitStack()
         try:
             self.grader = None
@@ -99,17 +104,20 @@ class ColocatedSource:
         self.queue.save(folder, self.learner.rank, self.learner.world)
 
     def take_metrics(self) -> dict[str, float]:
-        """GPU: the device memory free right after this step's wakes (`mem/free_after_wake_*_gb`,
-        the least over ranks)."""
+        """The reward of the batch this step generated and the policy version that generated it
+        (`rollout/newest_reward_mean`, `staleness/newest_version`: the current policy's reward, which
+        the trained batch's `rollout/reward_mean` shows only s updates later); on GPU the device memory
+        free right after this step's wakes (`mem/free_after_wake_*_gb`, the least over ranks)."""
+        out, self.newest = self.newest, {}
         free = self.engine.free_at_wake
         if not free:
-            return {}
+            return out
         keys = sorted(free)
         least = all_reduce(
             torch.tensor([float(free[k]) for k in keys], dtype=torch.float64), dist.ReduceOp.MIN
         )
         free.clear()
-        return {f"mem/free_after_wake_{k}_gb": float(v) / 1e9 for k, v in zip(keys, least, strict=True)}
+        return out | {f"mem/free_after_wake_{k}_gb": float(v) / 1e9 for k, v in zip(keys, least, strict=True)}
 
     def close(self) -> None:
         self._stack.close()
@@ -121,9 +129,11 @@ class ColocatedSource:
         self.close()
 
     def _rollout(self, index: int) -> PackedRollouts:
-        return rollout(
+        batch = rollout(
             self.engine, self.grader, self.prompts, self.learner, self.recipe, self.recorder, index
         )
+        self.newest = {NEWEST_REWARD: batch.meta.pop(NEWEST_REWARD), NEWEST_VERSION: float(batch.version)}
+        return batch
 
 
 def rollout(
@@ -183,7 +193,8 @@ def generate_share(
     others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
     are the slowest engine's (`time/generate`) and the slowest grader's (`time/grade`), the tokens
     every engine's (`rollout/generated_tokens`) and the busiest and idlest engine's
-    (`rollout/engine_tokens_max`, `_min`: a straggler, or an engine that generated nothing).
+    (`rollout/engine_tokens_max`, `_min`: a straggler, or an engine that generated nothing), and the
+    whole batch's mean reward (`NEWEST_REWARD`).
     """
     tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
     engine_group, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
@@ -206,13 +217,15 @@ def generate_share(
     tokens = float(batch.response_len_B.sum())
     engine = [tokens, -tokens] if learner.rank % tp == 0 else [-math.inf, -math.inf]
     largest = all_reduce(torch.tensor([t_gen, t_grade, *engine], dtype=torch.float64), dist.ReduceOp.MAX)
-    generated = all_reduce(torch.tensor([tokens], dtype=torch.float64), dist.ReduceOp.SUM)
+    totals = [tokens, float(batch.rewards_B.double().sum()), float(batch.num_rows)]
+    generated = all_reduce(torch.tensor(totals, dtype=torch.float64), dist.ReduceOp.SUM)
     batch.meta = {
         "time/generate": float(largest[0]),
         "time/grade": float(largest[1]),
         "rollout/generated_tokens": float(generated[0]),
         "rollout/engine_tokens_max": float(largest[2]),
         "rollout/engine_tokens_min": -float(largest[3]),
+        NEWEST_REWARD: float(generated[1] / generated[2].clamp(min=1)),
     }
     return batch
 
