@@ -38,7 +38,8 @@ def test_a_sweep_runs_every_arm_and_seed_once_and_compares_them(tmp_path):
         assert config["run"]["seed"] == int(name[-1]) and config["run"]["name"] == name
         assert len((out / name / "metrics.jsonl").read_text().splitlines()) == 2
     assert "arms: mean ± standard error over seeds" in done.stdout
-    assert sorted(p.name for p in (out / "figures").iterdir()) == ["clipped_or_masked.png", "reward.png"]
+    figures = ["clipped_or_masked.png", "policy_reward.png", "reward.png"]
+    assert sorted(p.name for p in (out / "figures").iterdir()) == figures
     report = json.loads(
         subprocess.run(
             [sys.executable, "-m", "m2po_cli", "compare", *[str(out / n) for n in names], "--json"],
