@@ -249,10 +249,28 @@ def curves(members: list[Run], key: str) -> tuple[list[float], list[float], list
     return xs, mean, low, high
 
 
-FIGURES = {  # name: (series key, y label, scale, x label)
-    "reward": ("rollout/reward_mean", "reward (mean over the batch)", 1.0, "optimizer updates"),
-    "clipped_or_masked": ("loss/clip_frac", "tokens clipped or masked (%)", 100.0, "optimizer updates"),
-    "policy_reward": (POLICY, "reward of the policy's samples", 1.0, "policy version (optimizer updates)"),
+FIGURES = {  # name: (series key, title, y label, scale, x label)
+    "reward": (
+        "rollout/reward_mean",
+        "reward by step",
+        "reward (mean over the batch)",
+        1.0,
+        "optimizer updates",
+    ),
+    "clipped_or_masked": (
+        "loss/clip_frac",
+        "clipped or masked share",
+        "tokens clipped or masked (%)",
+        100.0,
+        "optimizer updates",
+    ),
+    "policy_reward": (
+        POLICY,
+        "reward by policy version",
+        "reward of the policy's samples",
+        1.0,
+        "policy version (optimizer updates)",
+    ),
 }
 
 
@@ -266,7 +284,7 @@ def figures(runs: list[Run]):
 
     arms = group(runs)
     out = {}
-    for name, (key, ylabel, scale, xlabel) in FIGURES.items():
+    for name, (key, title, ylabel, scale, xlabel) in FIGURES.items():
         if any(series(run, key) is None for run in runs):
             continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
@@ -279,7 +297,7 @@ def figures(runs: list[Run]):
                 )
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{ylabel.split(' (')[0]}, mean over windows of a tenth of the steps")
+        ax.set_title(f"{title} (mean over windows of a tenth of the run)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
