@@ -12,13 +12,16 @@ On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shap
 2. generation tokens/s of the engine alone, with CUDA graphs and eager, each in its own process;
 3. with 2 or more GPUs: the same run under `torchrun --nproc-per-node 2`, and the separate-mode
    NCCL weight-transport test (`tests/test_transport.py`).
+Where vLLM is not installed (or with `--learner-only`) it runs the learner alone instead of 1-3: three
+M2PO updates of the recipe's learner on one synthetic batch of the same sizes, trained at versions 0,
+1 and 2 (staleness 0 to 2), with the learner's tokens/s, MFU and peak device memory.
 It prints a table and writes it to docs/performance.md (`--write-doc`, on by default on a GPU).
 Without a GPU the same steps run at tiny size (a Qwen3 of 0.14 M parameters), and what needs a GPU (MFU,
 sleep mode, device memory, CUDA graphs, NCCL) is listed as not applicable. Exits 1 if a check
 fails: the run stops, a loss is not finite or never changes, the mean logprob gap after a push is
 over 0.05 (GPU, bf16) or 1e-4 (CPU, fp32), or under 5 GB is free after a wake.
 
-    .venv/bin/python bench/gpu_check.py [--out DIR] [--write-doc | --no-write-doc]
+    .venv/bin/python bench/gpu_check.py [--out DIR] [--write-doc | --no-write-doc] [--learner-only]
     (scripts/gpu_check.sh runs it)
 """
 
@@ -273,6 +276,93 @@ def report_transport(check: Check) -> None:
     check.require(done.returncode == 0 and "passed" in last, f"NCCL transport test: {last}")
 
 
+def learner_alone(model_dir: Path, size: dict) -> dict:
+    """Three M2PO updates of the 8B recipe's learner, alone, on one synthetic batch (run in a child
+    process): `size`'s prompts x n samples of 64 prompt and `tokens` response tokens, random, with
+    rewards that vary within every group; the batch is scored at version 0 and trained at versions
+    0, 1 and 2. Each update's metrics, and the peak device memory (GPU)."""
+    from m2po_cli.config import InspectConfig, load_recipe
+    from m2po_cli.learner import Learner
+    from m2po_cli.loss import build_loss
+    from m2po_cli.record import Recorder
+    from m2po_cli.rollout.engine import Completion
+    from m2po_cli.train.colocated import score_at_behaviour_version
+    from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.updates import train_on
+
+    with tempfile.TemporaryDirectory(prefix="m2po-gpu-check-learner-") as out:
+        overrides = [o for o in train_overrides(model_dir, Path(out), size) if not o.startswith("reward.")]
+        recipe = load_recipe(RECIPE, overrides + ['algorithm.behaviour_logprobs="learner"'])
+        learner = Learner(model_dir, recipe)
+        g = torch.Generator().manual_seed(0)
+        vocab, n = size["shape"].vocab_size, size["n"]
+        prompts = [torch.randint(5, vocab, (64,), generator=g).tolist() for _ in range(size["prompts"])]
+        groups = [
+            [
+                Completion(ids, [0.0] * len(ids), "", True)
+                for ids in torch.randint(5, vocab, (n, size["tokens"]), generator=g).tolist()
+            ]
+            for _ in prompts
+        ]
+        rewards_PG = (torch.arange(n) % 2).float().repeat(len(prompts), 1)
+        batch = pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
+        score_at_behaviour_version(batch, learner, everything=True, group_size=n)
+        recorder = Recorder(Path(out), InspectConfig(every=0), 0, learner.rank, learner.world)
+        loss_fn = build_loss(recipe.loss)
+        if ON_GPU:
+            torch.cuda.reset_peak_memory_stats()
+        steps = [train_on(batch, learner, loss_fn, None, recipe, recorder, step) for step in range(3)]
+        peak = torch.cuda.max_memory_allocated() / 1e9 if ON_GPU else None
+    return {"steps": steps, "peak_gb": peak, "tokens": int(batch.offsets_B1[-1])}
+
+
+def report_learner_alone(check: Check, model_dir: Path, size: dict) -> None:
+    done = subprocess.run(
+        [sys.executable, __file__, "--learner", "--model", str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    check.require(done.returncode == 0, f"learner alone: {(done.stderr or done.stdout)[-600:]}")
+    if done.returncode:
+        return
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    steps, shape = r["steps"], size["shape"]
+    losses = [s["loss/loss"] for s in steps]
+    check.row(
+        "learner alone: batch",
+        f"{size['prompts']} prompts x {size['n']} samples of 64 + {size['tokens']} tokens "
+        f"({r['tokens']:,} tokens), trained at versions 0, 1, 2",
+    )
+    check.row("learner alone: M2PO loss per update", ", ".join(f"{x:.4g}" for x in losses))
+    check.require(all(math.isfinite(x) for x in losses), "learner alone: a loss is not finite")
+    check.require(len(set(losses)) > 1, "learner alone: the loss never changed")
+    check.row(
+        "learner alone: masked share per update",
+        ", ".join(f"{100 * s['loss/clip_frac']:.2f}%" for s in steps),
+    )
+    seconds = [s["time/update"] for s in steps]
+    tokens_per_s = statistics.median(s["perf/learner_tokens_per_s"] for s in steps)
+    check.row(
+        "learner alone: seconds per update; tokens/s (global pass, fwd+bwd, AdamW)",
+        f"{', '.join(f'{x:.2f}' for x in seconds)}; {tokens_per_s:,.0f} (median of 3)",
+    )
+    peak = (
+        next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+        if ON_GPU
+        else None
+    )
+    if peak is not None:
+        mfu = 6 * shape.num_params() * tokens_per_s / (peak * 1e12)
+        check.row(
+            "learner alone: MFU (6N FLOPs a token, bf16 dense peak)",
+            f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s",
+        )
+    if r["peak_gb"] is not None:
+        total = torch.cuda.mem_get_info()[1] / 1e9
+        check.row("learner alone: peak device memory allocated", f"{r['peak_gb']:.1f} GB of {total:.0f} GB")
+
+
 def write_doc(check: Check, heading: str) -> None:
     """Replace this mode's section of docs/performance.md (or append it)."""
     text = DOC.read_text()
@@ -295,17 +385,29 @@ def main() -> int:
     ap.add_argument(
         "--write-doc", action=argparse.BooleanOptionalAction, default=ON_GPU, help="write docs/performance.md"
     )
+    ap.add_argument(
+        "--learner-only",
+        action=argparse.BooleanOptionalAction,
+        default=importlib.util.find_spec("vllm") is None,
+        help="run the learner alone, no engine (the default where vLLM is not installed)",
+    )
     ap.add_argument("--generate", choices=["graphs", "eager"], help=argparse.SUPPRESS)
+    ap.add_argument("--learner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     size = sizes()
     if args.generate:  # the child process of `report_generation`
         print(json.dumps(generate_alone(args.model, args.generate == "graphs", size)))
         return 0
+    if args.learner:  # the child process of `report_learner_alone`
+        print(json.dumps(learner_alone(args.model, size)))
+        return 0
     check = Check()
     device = torch.cuda.get_device_name() if ON_GPU else "CPU"
     gpus = torch.cuda.device_count()
     heading = f"GPU mode: {gpus} x {device}" if ON_GPU else "CPU mode (tiny size)"
+    if args.learner_only:
+        heading += ", learner alone"
     print(f"m2po gpu check, {heading}", flush=True)
     if not ON_GPU:
         check.not_applicable += [
@@ -315,6 +417,11 @@ def main() -> int:
         ]
     elif gpus < 2:
         check.not_applicable.append("the 2-rank run and the NCCL weight transport (one GPU visible)")
+    if args.learner_only:
+        check.not_applicable.append(
+            "the engine: generation, weight sync, the logprob gap after a push, sleep and wake "
+            + ("(vLLM is not installed)" if importlib.util.find_spec("vllm") is None else "(--learner-only)")
+        )
     with tempfile.TemporaryDirectory(prefix="m2po-gpu-check-") as tmp:
         out = args.out or Path(tmp)
         shape: Qwen3Shape = size["shape"]
@@ -325,11 +432,14 @@ def main() -> int:
             f"Qwen3, hidden {shape.hidden_size}, {shape.num_layers} layers, vocabulary {shape.vocab_size:,}: "
             f"{count(shape.num_params())} parameters, built in {time.perf_counter() - t0:.0f} s",
         )
-        steps, seconds, tail = run_train(model_dir, out / "one", size, nproc=1)
-        check.require(bool(steps), f"m2po train did not finish: {tail[-600:]}")
-        report_train(check, steps, seconds, size, "1 rank", nproc=1)
-        report_generation(check, model_dir, size)
-        if ON_GPU and gpus >= 2:
+        if args.learner_only:
+            report_learner_alone(check, model_dir, size)
+        else:
+            steps, seconds, tail = run_train(model_dir, out / "one", size, nproc=1)
+            check.require(bool(steps), f"m2po train did not finish: {tail[-600:]}")
+            report_train(check, steps, seconds, size, "1 rank", nproc=1)
+            report_generation(check, model_dir, size)
+        if ON_GPU and gpus >= 2 and not args.learner_only:
             steps, seconds, tail = run_train(model_dir, out / "two", size, nproc=2)
             check.require(bool(steps), f"2-rank m2po train did not finish: {tail[-600:]}")
             report_train(check, steps, seconds, size, "2 ranks", nproc=2)
