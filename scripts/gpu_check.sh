@@ -3,9 +3,10 @@
 # Qwen3-8B's shapes with 4 layers, three M2PO updates with the engine asleep and woken between them;
 # learner tokens/s and MFU, weight-sync seconds against the bytes pushed, the logprob gap after each
 # push, device memory free after each wake, generation tokens/s with and without CUDA graphs; with 2+
-# GPUs a 2-rank run and the NCCL weight-transport test. Writes its table to docs/performance.md. At
-# most 8 minutes on one GPU; without a GPU it runs the same steps at tiny size.
-#   scripts/gpu_check.sh [--out DIR] [--no-write-doc]
+# GPUs a 2-rank run and the NCCL weight-transport test. Without vLLM (or with --learner-only) the
+# learner alone: three M2PO updates on a synthetic batch of the same sizes. Writes its table to
+# docs/performance.md. At most 8 minutes on one GPU; without a GPU it runs the same steps at tiny size.
+#   scripts/gpu_check.sh [--out DIR] [--no-write-doc] [--learner-only]
 # Uses .venv: scripts/install.sh --gpu (with --dev for the 2-GPU transport test, which needs pytest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
