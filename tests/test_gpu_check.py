@@ -11,19 +11,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU mode is run by hand (docs/performance.md)")
-def test_gpu_check_passes_in_cpu_mode():
+def run_check(*args: str, timeout: int) -> tuple[str, subprocess.CompletedProcess]:
+    """`scripts/gpu_check.sh --no-write-doc *args` with this interpreter; its stdout and the process."""
     env = {**os.environ, "M2PO_PYTHON": str(Path(sys.executable))}
     done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--no-write-doc"],
+        ["bash", "scripts/gpu_check.sh", "--no-write-doc", *args],
         capture_output=True,
         text=True,
-        timeout=1300,
+        timeout=timeout,
         cwd=ROOT,
         env=env,
     )
-    out = done.stdout
+    return done.stdout, done
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU mode is run by hand (docs/performance.md)")
+def test_gpu_check_passes_in_cpu_mode():
+    out, done = run_check(timeout=1300)
     assert done.returncode == 0, (out + done.stderr)[-4000:]
     assert "m2po gpu check, CPU mode (tiny size)" in out and "All checks passed." in out
     for row in (
@@ -41,16 +46,7 @@ def test_gpu_check_passes_in_cpu_mode():
 def test_gpu_check_runs_the_learner_alone_where_asked():
     """`--learner-only` (the default where vLLM is missing): three M2PO updates of the recipe's
     learner on one synthetic batch, the engine's rows listed as not applicable."""
-    env = {**os.environ, "M2PO_PYTHON": str(Path(sys.executable))}
-    done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--learner-only", "--no-write-doc"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    out = done.stdout
+    out, done = run_check("--learner-only", timeout=600)
     assert done.returncode == 0, (out + done.stderr)[-4000:]
     assert "m2po gpu check, CPU mode (tiny size), learner alone" in out and "All checks passed." in out
     losses = next(
