@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "qwen3-8b-s256.toml"
 DOC = ROOT / "docs" / "performance.md"
 ON_GPU = torch.cuda.is_available()
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # Qwen3-8B's shapes with 4 of its 36 layers.
 QWEN3_8B_4_LAYERS = Qwen3Shape(4096, 4, 32, 8, 128, 12_288, 151_936, tie_word_embeddings=False)
 # Dense bf16 tensor-core peak (no sparsity), TFLOP/s, by device-name substring.
@@ -134,35 +135,43 @@ def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], seconds, tail
 
 
-def report_train(check: Check, steps: list[dict], seconds: float, size: dict, label: str, nproc: int) -> None:
-    shape: Qwen3Shape = size["shape"]
-    check.require(len(steps) == 3, f"{label}: {len(steps)} of 3 steps logged")
-    if len(steps) != 3:
-        return
+def peak_bf16_tflops() -> float | None:
+    """This GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`); None on the CPU or an unlisted GPU."""
+    if not ON_GPU:
+        return None
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
+
+
+def report_updates(check: Check, steps: list[dict], shape: Qwen3Shape, label: str, nproc: int) -> None:
+    """The updates' losses (each finite, not all equal), the learner's tokens/s (median) and MFU."""
     losses = [s["loss/loss"] for s in steps]
-    check.row(
-        f"{label}: wall time, start to end",
-        f"{seconds:.0f} s (3 steps, {nproc} {'rank' if nproc == 1 else 'ranks'})",
-    )
     check.row(f"{label}: M2PO loss per update", ", ".join(f"{x:.4g}" for x in losses))
     check.require(all(math.isfinite(x) for x in losses), f"{label}: a loss is not finite")
     check.require(len(set(losses)) > 1, f"{label}: the loss never changed")
-    # Medians over the 3 steps: the first step's batch was sampled by the engine's first call.
     tokens_per_s = statistics.median(s["perf/learner_tokens_per_s"] for s in steps)
     check.row(
         f"{label}: learner tokens/s (global pass, fwd+bwd, AdamW)", f"{tokens_per_s:,.0f} (median of 3)"
     )
-    peak = (
-        next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
-        if ON_GPU
-        else None
-    )
+    peak = peak_bf16_tflops()
     if peak is not None:
         mfu = 6 * shape.num_params() * tokens_per_s / (nproc * peak * 1e12)
         check.row(
             f"{label}: learner MFU (6N FLOPs a token, bf16 dense peak)",
             f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s a GPU",
         )
+
+
+def report_train(check: Check, steps: list[dict], seconds: float, size: dict, label: str, nproc: int) -> None:
+    shape: Qwen3Shape = size["shape"]
+    check.require(len(steps) == 3, f"{label}: {len(steps)} of 3 steps logged")
+    if len(steps) != 3:
+        return
+    check.row(
+        f"{label}: wall time, start to end",
+        f"{seconds:.0f} s (3 steps, {nproc} {'rank' if nproc == 1 else 'ranks'})",
+    )
+    # Medians over the 3 steps: the first step's batch was sampled by the engine's first call.
+    report_updates(check, steps, shape, label, nproc)
     generated = statistics.median(s["rollout/generated_tokens"] for s in steps)
     rollout_rate = statistics.median(s["rollout/generated_tokens"] / s["time/generate"] for s in steps)
     check.row(
@@ -327,37 +336,18 @@ def report_learner_alone(check: Check, model_dir: Path, size: dict) -> None:
     if done.returncode:
         return
     r = json.loads(done.stdout.strip().splitlines()[-1])
-    steps, shape = r["steps"], size["shape"]
-    losses = [s["loss/loss"] for s in steps]
+    steps = r["steps"]
     check.row(
         "learner alone: batch",
         f"{size['prompts']} prompts x {size['n']} samples of 64 + {size['tokens']} tokens "
         f"({r['tokens']:,} tokens), trained at versions 0, 1, 2",
     )
-    check.row("learner alone: M2PO loss per update", ", ".join(f"{x:.4g}" for x in losses))
-    check.require(all(math.isfinite(x) for x in losses), "learner alone: a loss is not finite")
-    check.require(len(set(losses)) > 1, "learner alone: the loss never changed")
+    report_updates(check, steps, size["shape"], "learner alone", nproc=1)
     check.row(
         "learner alone: masked share per update",
         ", ".join(f"{100 * s['loss/clip_frac']:.2f}%" for s in steps),
     )
-    seconds = [s["time/update"] for s in steps]
-    tokens_per_s = statistics.median(s["perf/learner_tokens_per_s"] for s in steps)
-    check.row(
-        "learner alone: seconds per update; tokens/s (global pass, fwd+bwd, AdamW)",
-        f"{', '.join(f'{x:.2f}' for x in seconds)}; {tokens_per_s:,.0f} (median of 3)",
-    )
-    peak = (
-        next((v for k, v in PEAK_BF16_TFLOPS.items() if k in torch.cuda.get_device_name()), None)
-        if ON_GPU
-        else None
-    )
-    if peak is not None:
-        mfu = 6 * shape.num_params() * tokens_per_s / (peak * 1e12)
-        check.row(
-            "learner alone: MFU (6N FLOPs a token, bf16 dense peak)",
-            f"{100 * mfu:.1f}% of {peak:.0f} TFLOP/s",
-        )
+    check.row("learner alone: seconds per update", ", ".join(f"{s['time/update']:.2f}" for s in steps))
     if r["peak_gb"] is not None:
         total = torch.cuda.mem_get_info()[1] / 1e9
         check.row("learner alone: peak device memory allocated", f"{r['peak_gb']:.1f} GB of {total:.0f} GB")
@@ -388,7 +378,7 @@ def main() -> int:
     ap.add_argument(
         "--learner-only",
         action=argparse.BooleanOptionalAction,
-        default=importlib.util.find_spec("vllm") is None,
+        default=not HAVE_VLLM,
         help="run the learner alone, no engine (the default where vLLM is not installed)",
     )
     ap.add_argument("--generate", choices=["graphs", "eager"], help=argparse.SUPPRESS)
@@ -420,7 +410,7 @@ def main() -> int:
     if args.learner_only:
         check.not_applicable.append(
             "the engine: generation, weight sync, the logprob gap after a push, sleep and wake "
-            + ("(vLLM is not installed)" if importlib.util.find_spec("vllm") is None else "(--learner-only)")
+            + ("(--learner-only)" if HAVE_VLLM else "(vLLM is not installed)")
         )
     with tempfile.TemporaryDirectory(prefix="m2po-gpu-check-") as tmp:
         out = args.out or Path(tmp)

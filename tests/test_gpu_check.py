@@ -54,5 +54,5 @@ def test_gpu_check_runs_the_learner_alone_where_asked():
     )
     values = [float(x) for x in losses.split("|")[2].split(",")]
     assert len(values) == 3 and len(set(values)) == 3  # three updates, each moving the policy
-    assert "| learner alone: seconds per update; tokens/s" in out
+    assert "| learner alone: learner tokens/s" in out and "| learner alone: seconds per update" in out
     assert "not applicable: the engine" in out and "| 1 rank:" not in out
