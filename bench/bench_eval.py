@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 
 from m2po_cli.eval.config import load_benchmarks, load_eval_config
@@ -70,7 +71,7 @@ def eval_path(llm, grader, target, model_dir, specs, problems, protocol) -> tupl
 
 def _reset(llm) -> None:
     llm.reset_prefix_cache()
-    llm.collective_rpc("m2po_seed", args=(0,))  # same seed, same schedule: the same samples
+    torch.manual_seed(0)  # the engine runs in this process: same seed, same schedule, same samples
 
 
 def main() -> int:

@@ -53,7 +53,7 @@ def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[flo
     from m2po_cli.device import resolve_dtype
     from m2po_cli.models import load_tokenizer, resolve_model
     from m2po_cli.rollout.engine import VLLMEngine
-    from m2po_cli.train.colocated import sampling_seed
+    from m2po_cli.rollout.settings import request_seed
 
     recipe = load_recipe(recipe_path, overrides)
     model_dir = resolve_model(recipe.model.path)
@@ -67,7 +67,7 @@ def engine_alone(recipe_path: str, overrides: list[str], steps: int) -> list[flo
         for index in range(-k, steps):  # the K warm-up batches come first, as in the run
             batch = [p.token_ids for p in next(prompts)]
             t0 = time.perf_counter()
-            engine.generate(batch, sampling_seed(recipe.run.seed, index))
+            engine.generate(batch, [request_seed(recipe.run.seed, index, i) for i in range(len(batch))])
             if index >= 0:
                 times.append(time.perf_counter() - t0)
         return times

@@ -29,6 +29,7 @@ from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
@@ -45,10 +46,10 @@ class SeenEngine(VLLMEngine):
         super().__init__(*args, **kwargs)
         self.asked: list[dict] = []
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
-        groups = super().generate(prompts, seed)
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
+        groups = super().generate(prompts, seeds)
         answers = [[c.token_ids for c in group] for group in groups]
-        self.asked.append({"prompts": prompts, "seed": seed, "responses": answers})
+        self.asked.append({"prompts": prompts, "seeds": seeds, "responses": answers})
         return groups
 
 
@@ -82,7 +83,7 @@ def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[Packe
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in PROBLEMS]
     tp = recipe.rollout.tensor_parallel_size
     share = list(engine_share(learner.rank, learner.world, tp, len(prompts))[1])
-    groups = engine.generate([prompts[i] for i in share], seed=seed)
+    groups = engine.generate([prompts[i] for i in share], [request_seed(seed, i) for i in share])
     n, a = recipe.rollout.n, recipe.algorithm
     gen = torch.Generator().manual_seed(seed)
     rewards_PG = torch.randint(0, 2, (len(prompts), n), generator=gen).float()

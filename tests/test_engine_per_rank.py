@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from m2po_cli.models import resolve_model
+from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.packed import owners
 
 WORKER = Path(__file__).with_name("dist_engine_worker.py")
@@ -44,7 +45,7 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
     ranks = run_worker(tmp_path, tp=1)
 
     # The train loop's rollout step: each rank's engine sampled its own half of the batch's prompts,
-    # with its own seed ...
+    # each prompt with its own seed ...
     batch_prompts, n = ranks[0]["rollout"]["batch_prompts"], 8
     sampled = {}  # (prompt, sample) -> response tokens, from whichever engine sampled them
     for r, rec in enumerate(ranks):
@@ -53,7 +54,8 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
         assert asked["prompts"] == batch_prompts[2 * r : 2 * r + 2], f"rank {r} sampled other prompts"
         for i, group in enumerate(asked["responses"]):
             sampled.update({(2 * r + i, g): response for g, response in enumerate(group)})
-    assert ranks[0]["rollout"]["asked"][0]["seed"] != ranks[1]["rollout"]["asked"][0]["seed"]
+    seeds = [seed for rec in ranks for seed in rec["rollout"]["asked"][0]["seeds"]]
+    assert seeds == [request_seed(0, 0, i) for i in range(4)], "seeded by the run's seed, step and prompt"
     # ... and each rank then holds the rows it trains, in row order: together every row once, each
     # on the rank `owners` deals it to by length (2 updates of 2 prompts), each row the prompt and
     # the response its engine sampled.

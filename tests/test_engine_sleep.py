@@ -93,7 +93,7 @@ def test_an_asleep_engine_refuses_to_generate(gpu_engine):
     engine, _ = gpu_engine
     engine.sleep()
     with pytest.raises(RuntimeError, match="asleep; push the weights first"):
-        engine.generate([[1, 2]], seed=0)
+        engine.generate([[1, 2]], [0])
 
 
 def test_sleep_level_1_is_refused_in_one_line():

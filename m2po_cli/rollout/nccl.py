@@ -15,7 +15,9 @@ full parameter (1.2 GB for the 8B model's embedding) plus the two buffers.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -76,17 +78,33 @@ class FanOutClient:
         self.pool.shutdown(wait=False)
 
 
+class Metadata(list):
+    """A `WeightSource`'s parameter list, read as vLLM 0.33 reads it (`source.metadata`, an attribute)
+    and as 0.32 does (`source.metadata()`, a call that returns the same list)."""
+
+    def __call__(self) -> Metadata:
+        return self
+
+
 def learner_source(learner, dtype: torch.dtype):
     """A vLLM `WeightSource` over the learner: HF names and full shapes declared without gathering,
-    then the same tensors, in the same order, from `Learner.hf_weights`."""
+    then the same tensors, in the same order, from `Learner.hf_weights` (`iter_full`).
+
+    Written to the current contract (vLLM 0.33: `metadata` a `functools.cached_property`, `iter_full`
+    the full-tensor pass); `Metadata.__call__` and `__iter__` are how the pinned 0.32 reads the same
+    two channels. tests/test_vllm_contract.py drives it through the installed vLLM's trainer engine."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class LearnerSource(WeightSource):
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(name, dtype, shape) for name, shape in learner.hf_shapes()]
+        @cached_property
+        def metadata(self) -> Metadata:
+            return Metadata(ParamMeta(name, dtype, tuple(shape)) for name, shape in learner.hf_shapes())
 
-        def __iter__(self):
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
             return iter(learner.hf_weights(dtype))
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return self.iter_full()
 
     return LearnerSource()
 

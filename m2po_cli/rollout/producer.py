@@ -52,6 +52,7 @@ from m2po_cli.rollout.server import (
     sampling_body,
     swap_weights,
 )
+from m2po_cli.rollout.settings import request_seed
 
 Ticket = tuple[int, Prompt]  # (data epoch, prompt)
 Request = tuple[int, Ticket, int, str]  # (key, prompt, engine version at submission, server URL)
@@ -85,8 +86,10 @@ class RolloutProducer:
         in_flight: list[Ticket] = (),
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
+        run_seed: int = 0,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
+        self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.per_update, self.max_staleness = prompts_per_update, max_staleness
         self.settle = settle
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
@@ -284,7 +287,10 @@ class RolloutProducer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _request(self, http: aiohttp.ClientSession, key: int, ticket: Ticket, version: int, url: str):
-        body = sampling_body(ticket[1].token_ids, self.cfg, self._model_of(url))
+        with self.cond:
+            index = self.running[key][0]
+        seed = request_seed(self.run_seed, index)  # a resubmitted prompt samples what it would have
+        body = sampling_body(ticket[1].token_ids, self.cfg, seed, self._model_of(url))
         try:
             async with http.post(f"{url}{GENERATE}", json=body) as response:
                 text = await response.text()

@@ -404,13 +404,13 @@ def one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def sampling_body(prompt: list[int], cfg: RolloutConfig, model: str = SERVED_NAME) -> dict:
-    """A `GENERATE` request for `n` samples of one tokenized prompt, untruncated sampling, the
-    decoded text returned beside the tokens."""
+def sampling_body(prompt: list[int], cfg: RolloutConfig, seed: int, model: str = SERVED_NAME) -> dict:
+    """A `GENERATE` request for `n` samples of one tokenized prompt, untruncated sampling seeded
+    per request (`settings.request_seed`), the decoded text returned beside the tokens."""
     return {
         "model": model,
         "token_ids": prompt,
-        "sampling_params": {**rollout_sampling(cfg), "skip_special_tokens": True},
+        "sampling_params": {**rollout_sampling(cfg, seed), "skip_special_tokens": True},
         "output_mode": "text",
     }
 

@@ -8,6 +8,7 @@ rollout, `is_finished` what counts as a response that ended by itself.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from m2po_cli.config import RolloutConfig
 
 # vLLM imports the worker extension by name in every worker process (`rollout/worker.py`).
 WORKER_EXTENSION = "m2po_cli.rollout.worker.WeightSync"
+# Tokens a CPU engine step may take (vLLM's own CPU default), raised to the longest sequence.
+CPU_BATCHED_TOKENS = 4096
 
 
 def engine_args(
@@ -50,17 +53,25 @@ def engine_args(
         args["gpu_memory_utilization"] = gpu_memory_utilization
     else:
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        # vLLM's CPU runner rolls a request's generator back after a partial prefill chunk, which a
+        # CPU generator cannot do ("CPU Generator does not use offset"): with per-request seeds every
+        # prompt is prefilled in one step, within a budget that holds the longest.
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(max_model_len, CPU_BATCHED_TOKENS)
     return args
 
 
 def cli_flags(args: dict[str, Any]) -> list[str]:
-    """`engine_args` as `vllm serve` flags: `--name value`, a bare `--name` for True, nothing for False."""
+    """`engine_args` as `vllm serve` flags: `--name value`, a bare `--name` for True, `--no-name` for
+    False (vLLM's boolean flags take both forms; a False default would otherwise be lost)."""
     flags: list[str] = []
     for name, value in args.items():
         flag = "--" + name.replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value is not False:
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        else:
             flags += [flag, str(value)]
     return flags
 
@@ -77,11 +88,24 @@ def cpu_threads(local_rank: int, local_world: int) -> dict[str, str]:
     }
 
 
-def rollout_sampling(cfg: RolloutConfig) -> dict[str, Any]:
+def request_seed(run_seed: int, *place: int) -> int:
+    """The sampling seed of one prompt's request, from the run's seed and the request's place in the
+    run (colocated: rollout step and prompt; separate: admission index).
+
+    vLLM seeds each request's own generator with it (sample i of the prompt's `n` with seed + i), so
+    the samples depend on these numbers alone, never on which other requests share the engine's
+    batch, and on a GPU vLLM does not draw a fresh random seed for the request. A hash, so that the
+    n consecutive seeds of different requests do not overlap: 62 bits, within vLLM's int64."""
+    digest = hashlib.blake2b(repr((run_seed, *place)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def rollout_sampling(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
     """One prompt's rollout sampling: `n` samples at the recipe's temperature from the untruncated
     distribution (no top-p, top-k or min-p, so behaviour logprobs are the full policy's), each
-    sampled token's logprob returned."""
+    sampled token's logprob returned, seeded per request (`request_seed`)."""
     return dict(
+        seed=seed,
         n=cfg.n,
         temperature=cfg.temperature,
         top_p=1.0,

@@ -110,6 +110,8 @@ def load_in_place(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]])
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
+    from m2po_cli.errors import RunError
+
     staging = _Staging(packed_linears(model))
     staging.attach()
     try:
@@ -119,11 +121,11 @@ def load_in_place(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]])
     half = sorted(name for name, layer in staging.layers.items() if layer in staging.pending)
     missing = sorted(set(staging.layers) - staging.packed)
     if half or missing:
-        raise RuntimeError(f"weight push: layers left without new weights: {(half or missing)[:5]}")
+        raise RunError(f"weight push: layers left without new weights: {(half or missing)[:5]}")
     plain = {name for name, p in model.named_parameters() if p.numel()}
     unloaded = sorted(plain - set(loaded) - _tied(model))
     if unloaded:
-        raise RuntimeError(f"weight push: parameters the push did not carry: {unloaded[:5]}")
+        raise RunError(f"weight push: parameters the push did not carry: {unloaded[:5]}")
     for module in model.modules():
         if isinstance(module, ParallelLMHead) or module is getattr(model, "lm_head", None):
             module.quant_method.process_weights_after_loading(module)  # the logits read its handle

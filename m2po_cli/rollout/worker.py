@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from m2po_cli.rollout.weights import load_in_place
 
@@ -25,11 +27,16 @@ class WeightSync:
     m2po_weight_version: int = 0
 
     def m2po_reload(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load HF-named full tensors as they come (the iterator may gather each one on demand);
-        stamp and return the weight version once every tensor is in."""
+        """Load HF-named full tensors as they come (the iterator may gather each one on demand)
+        through vLLM's layerwise reload; stamp and return the weight version once every tensor is in.
+
+        vLLM only logs a warning for a parameter the reload did not write, which after a level-2
+        sleep holds whatever the memory held: here that stops the run, naming the parameters."""
         self.m2po_weight_version = -1
-        self.reload_weights(weights_iterator=iter(weights))
         model = self.model_runner.get_model()
+        with recording_loads(model) as written:
+            self.reload_weights(weights_iterator=iter(weights))
+        require_written(model, written, version)
         if self.model_runner.model_config.hf_config.tie_word_embeddings:
             # The reload repacks the embedding but leaves the tied output layer on the old one:
             # outputs would change, wrongly and silently. Re-derive the lm_head from the new weight.
@@ -73,8 +80,39 @@ class WeightSync:
         """The served model's shape (`model_signature` of its HF config), to check it is the learner's."""
         return model_signature(self.model_runner.model_config.hf_config.to_dict())
 
-    def m2po_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+
+
+@contextmanager
+def recording_loads(model: nn.Module) -> Iterator[set[str]]:
+    """The names of the parameters `model.load_weights` reports written while inside: vLLM's reload
+    calls it once with the whole stream and returns that set."""
+    written: set[str] = set()
+    load = model.load_weights
+
+    def record(weights):
+        names = load(weights)
+        written.update(names)
+        return names
+
+    model.load_weights = record  # an instance attribute, over the class's method
+    try:
+        yield written
+    finally:
+        del model.load_weights
+
+
+def require_written(model: nn.Module, written: set[str], version: int) -> None:
+    """Raise, naming them, if a parameter of `model` (vLLM's names, as its reload counts them) was
+    not among those written."""
+    from m2po_cli.errors import RunError
+
+    missing = sorted({name for name, _ in model.named_parameters()} - written)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise RunError(
+            f"weight push {version}: the engine's {shown} received nothing from the learner "
+            "(HF names the model did not take?); the engine's weights are not the policy's"
+        )
 
 
 SIGNATURE_KEYS = (

@@ -27,6 +27,7 @@ from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
+from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog
@@ -197,12 +198,13 @@ def generate_share(
     whole batch's mean reward (`NEWEST_REWARD`).
     """
     tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
-    engine_group, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
+    _, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
     mine = [prompt_batch[i] for i in share]
     tokens = [p.token_ids for p in mine]
     batch = PackedRollouts.empty(learner.version)
     t0 = time.perf_counter()
-    groups = engine.generate(tokens, sampling_seed(recipe.run.seed, index, engine_group)) if mine else []
+    seeds = [request_seed(recipe.run.seed, index, i) for i in share]  # by the prompt's place in the batch
+    groups = engine.generate(tokens, seeds) if mine else []
     t_gen = time.perf_counter() - t0
     if mine and learner.rank % tp == 0:
         rewards = grader.score_groups([p.problem for p in mine], [[c.text for c in g] for g in groups])
@@ -272,9 +274,3 @@ def mismatch_sample(batch: PackedRollouts, group_size: int, index: int) -> torch
         return torch.zeros(0, dtype=torch.long)
     members = (groups_B == here[index % here.numel()]).nonzero().squeeze(1)
     return members[:MISMATCH_SAMPLE_ROWS]
-
-
-def sampling_seed(run_seed: int, index: int, engine_group: int = 0) -> int:
-    """The sampling seed of one engine for rollout step `index`: fixed by the run's seed, so a resumed
-    run samples what the uninterrupted one did; engine group 0 has the one-engine run's seed."""
-    return (run_seed * 1_000_003 + (index + 1_000) * 10_007 + engine_group * 1_000_000_007) % 2**31

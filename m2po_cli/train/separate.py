@@ -100,6 +100,7 @@ class SeparateSource:
             self.learner.version,
             **carried,
             settle=lambda finished: settle(finished, self.grader, recipe),
+            run_seed=recipe.run.seed,
         )
         self._stack.callback(self.producer.stop)
 
