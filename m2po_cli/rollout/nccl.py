@@ -109,6 +109,21 @@ def learner_source(learner, dtype: torch.dtype):
     return LearnerSource()
 
 
+def trainer_init_info(address: str, port: int, world_size: int, rank: int):
+    """vLLM's init info of this learner rank: rank 0 opens the transfer group at `address:port`, of
+    `world_size` ranks (rank 0 and every server's workers); packed buffers of `PACKED_BUFFER_BYTES`."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    return NCCLTrainerInitInfo(
+        master_address=address,
+        master_port=port,
+        world_size=world_size,
+        packed=True,
+        packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
+        rank=rank,
+    )
+
+
 class NcclWeightTransport(WeightTransport):
     """vLLM's NCCL weight-transfer engine (GPUs only). A collective to build: every rank calls it."""
 
@@ -125,21 +140,13 @@ class NcclWeightTransport(WeightTransport):
     ):
         super().__init__(rank, sync_every, dtype, swap)
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         self.client = None
         world_sizes = [s.world_size() for s in servers] if servers else []
         address = rendezvous_address(servers or [], address)
         if rank == 0:  # the servers must reach rank 0, or NCCL's rendezvous waits without a word
             check_rendezvous(servers, address, rendezvous_timeout_s)
-        info = NCCLTrainerInitInfo(
-            master_address=address,
-            master_port=free_port() if rank == 0 else 0,
-            world_size=1 + sum(world_sizes),
-            packed=True,
-            packed_buffer_size_bytes=PACKED_BUFFER_BYTES,
-            rank=rank,
-        )
+        info = trainer_init_info(address, free_port() if rank == 0 else 0, 1 + sum(world_sizes), rank)
         if rank == 0:
             self.client = FanOutClient(servers, world_sizes)
         self.engine = WeightTransferTrainerFactory.trainer_init(
