@@ -9,19 +9,24 @@ On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shap
    tokens/s and MFU, the weight-sync seconds against the bytes pushed, the engine-vs-learner
    logprob gap right after each push (every row is scored by the learner at the version that
    sampled it), and the device memory free after each wake (`mem_get_info`);
-2. generation tokens/s of the engine alone, with CUDA graphs and eager, each in its own process;
+   Before it, `bench/memory_budget.py` on the check's recipe and this GPU, AdamW state counted: a
+   recipe whose wakes would not fit stops here, before any engine starts;
+2. generation tokens/s of one fresh engine alone, with CUDA graphs (eager on the CPU);
 3. with 2 or more GPUs: the same run under `torchrun --nproc-per-node 2`, and the separate-mode
    NCCL weight-transport test (`tests/test_transport.py`).
 Where vLLM is not installed (or with `--learner-only`) it runs the learner alone instead of 1-3: three
 M2PO updates of the recipe's learner on one synthetic batch of the same sizes, trained at versions 0,
 1 and 2 (staleness 0 to 2), with the learner's tokens/s, MFU and peak device memory.
-It prints a table and writes it to docs/performance.md (`--write-doc`, on by default on a GPU).
+It prints each row as it is measured and writes the table to docs/performance.md (`--write-doc`, on
+by default on a GPU) and to `--report FILE` after every phase, so a check killed at its time limit
+leaves the rows of the phases it finished.
 Without a GPU the same steps run at tiny size (a Qwen3 of 0.14 M parameters), and what needs a GPU (MFU,
 sleep mode, device memory, CUDA graphs, NCCL) is listed as not applicable. Exits 1 if a check
 fails: the run stops, a loss is not finite or never changes, the mean logprob gap after a push is
 over 0.05 (GPU, bf16) or 1e-4 (CPU, fp32), or under 5 GB is free after a wake.
 
-    .venv/bin/python bench/gpu_check.py [--out DIR] [--write-doc | --no-write-doc] [--learner-only]
+    .venv/bin/python bench/gpu_check.py [--out DIR] [--write-doc | --no-write-doc] [--report FILE]
+                                        [--learner-only]
     (scripts/gpu_check.sh runs it)
 """
 
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,12 +61,24 @@ MIN_FREE_GB = 5.0
 
 
 class Check:
-    """Rows of the table, what does not apply, and the failed checks."""
+    """Rows of the table, what does not apply, and the failed checks. After each phase the table so
+    far is written out (`save`), so a check killed at its time limit leaves what it measured."""
 
-    def __init__(self):
+    def __init__(self, save: Callable[[str], None] = lambda text: None):
         self.rows: list[tuple[str, str]] = []
         self.not_applicable: list[str] = []
         self.failed: list[str] = []
+        self.save = save
+        self.running: str | None = "start"  # the phase under way; None once the check has ended
+
+    def phase(self, name: str) -> None:
+        """The phase `name` starts: what came before is written out."""
+        self.running = name
+        self.save(self.markdown())
+
+    def end(self) -> None:
+        self.running = None
+        self.save(self.markdown())
 
     def row(self, name: str, value: str) -> None:
         self.rows.append((name, value))
@@ -74,7 +92,11 @@ class Check:
     def markdown(self) -> str:
         lines = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in self.rows]
         lines += [""] + [f"- not applicable: {item}" for item in self.not_applicable]
-        lines += ["", "FAILED: " + "; ".join(self.failed) if self.failed else "All checks passed."]
+        if self.running is not None:
+            end = f"Incomplete: these rows were written when the phase '{self.running}' began."
+        else:
+            end = "All checks passed."
+        lines += ["", "FAILED: " + "; ".join(self.failed) if self.failed else end]
         return "\n".join(lines) + "\n"
 
 
@@ -125,7 +147,7 @@ def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}"},
+        env=child_env(),
     )
     seconds = time.perf_counter() - t0
     tail = (done.stdout + done.stderr)[-3000:]
@@ -133,6 +155,13 @@ def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[
     if done.returncode or not metrics.exists():
         return [], seconds, tail
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()], seconds, tail
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child process: the caller's, with the project and bench/ ahead on
+    `PYTHONPATH` (packages a machine without network brings through it stay visible)."""
+    paths = [str(ROOT), str(ROOT / "bench"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def peak_bf16_tflops() -> float | None:
@@ -238,7 +267,9 @@ def generate_alone(model_dir: Path, graphs: bool, size: dict) -> dict:
 
 
 def report_generation(check: Check, model_dir: Path, size: dict) -> None:
-    for graphs in (True, False) if ON_GPU else (False,):
+    """Generation alone, in one fresh engine: with CUDA graphs on a GPU (the recipe's setting; the
+    train run's own rollout rate is the eager-free figure in training), eager on the CPU."""
+    for graphs in (ON_GPU,):
         args = [
             sys.executable,
             __file__,
@@ -247,7 +278,7 @@ def report_generation(check: Check, model_dir: Path, size: dict) -> None:
             "--model",
             str(model_dir),
         ]
-        done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=child_env())
         name = f"generation alone, {'CUDA graphs' if graphs else 'eager'}"
         check.require(done.returncode == 0, f"{name}: {(done.stderr or done.stdout)[-300:]}")
         if done.returncode == 0:
@@ -279,6 +310,7 @@ def report_transport(check: Check) -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=child_env(),
     )
     last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-300:]
     check.row("separate mode: NCCL weight transport test", last)
@@ -331,6 +363,7 @@ def report_learner_alone(check: Check, model_dir: Path, size: dict) -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=child_env(),
     )
     check.require(done.returncode == 0, f"learner alone: {(done.stderr or done.stdout)[-600:]}")
     if done.returncode:
@@ -353,10 +386,10 @@ def report_learner_alone(check: Check, model_dir: Path, size: dict) -> None:
         check.row("learner alone: peak device memory allocated", f"{r['peak_gb']:.1f} GB of {total:.0f} GB")
 
 
-def write_doc(check: Check, heading: str) -> None:
+def write_doc(table: str, heading: str) -> None:
     """Replace this mode's section of docs/performance.md (or append it)."""
     text = DOC.read_text()
-    section = f"## {heading}\n\n{check.markdown()}"
+    section = f"## {heading}\n\n{table}"
     start = text.find(f"## {heading}\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
@@ -364,7 +397,40 @@ def write_doc(check: Check, heading: str) -> None:
         end = text.find("\n## ", start + 1)
         text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
     DOC.write_text(text)
-    print(f"wrote {DOC.relative_to(ROOT)}: {heading}")
+
+
+def saver(heading: str, doc: bool, report: Path | None) -> Callable[[str], None]:
+    """Where the table goes after every phase: docs/performance.md's section, and `report`."""
+
+    def save(table: str) -> None:
+        if doc:
+            write_doc(table, heading)
+        if report is not None:
+            report.write_text(f"# m2po gpu check, {heading}\n\n{table}")
+
+    return save
+
+
+def report_memory_budget(check: Check, model_dir: Path, size: dict) -> bool:
+    """`bench/memory_budget.py` on the check's recipe and this GPU, before any engine starts: the
+    learner's fp32 master shard and AdamW state counted, so a recipe that cannot wake its KV cache
+    after the first update stops here, not at the first wake."""
+    from memory_budget import GB, budget, verdict
+
+    from m2po_cli.config import load_recipe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = load_recipe(RECIPE, train_overrides(model_dir, Path(tmp), size))
+    gpu = torch.cuda.mem_get_info()[1]
+    rows, figures = budget(recipe, size["shape"], 1, gpu)
+    problem, least = verdict(rows, figures, gpu, MIN_FREE_GB * GB)
+    check.row(
+        "memory budget before the engine starts (AdamW state counted)",
+        f"least free at a wake or the push ~{least / GB:.1f} GB of {gpu / GB:.0f} GB; "
+        f"KV cache ~{figures['kv'] / GB:.1f} GB",
+    )
+    check.require(problem is None, f"memory budget: {problem}")
+    return problem is None
 
 
 def main() -> int:
@@ -374,6 +440,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--write-doc", action=argparse.BooleanOptionalAction, default=ON_GPU, help="write docs/performance.md"
+    )
+    ap.add_argument(
+        "--report", type=Path, default=None, help="also write the table here, after every phase"
     )
     ap.add_argument(
         "--learner-only",
@@ -392,17 +461,18 @@ def main() -> int:
     if args.learner:  # the child process of `report_learner_alone`
         print(json.dumps(learner_alone(args.model, size)))
         return 0
-    check = Check()
     device = torch.cuda.get_device_name() if ON_GPU else "CPU"
     gpus = torch.cuda.device_count()
     heading = f"GPU mode: {gpus} x {device}" if ON_GPU else "CPU mode (tiny size)"
     if args.learner_only:
         heading += ", learner alone"
+    check = Check(saver(heading, args.write_doc, args.report))
     print(f"m2po gpu check, {heading}", flush=True)
     if not ON_GPU:
         check.not_applicable += [
             "Qwen3-8B shapes (CPU mode runs a Qwen3 of the same layout with 0.14 M parameters)",
-            "MFU (no peak-FLOPs figure for a CPU); sleep mode and device memory (vLLM has neither on CPU)",
+            "MFU (no peak-FLOPs figure for a CPU); sleep mode, device memory and its budget (vLLM has "
+            "neither on CPU)",
             "CUDA graphs; the 2-GPU run and the NCCL weight transport",
         ]
     elif gpus < 2:
@@ -416,6 +486,7 @@ def main() -> int:
         out = args.out or Path(tmp)
         shape: Qwen3Shape = size["shape"]
         t0 = time.perf_counter()
+        check.phase("model")
         model_dir = write_qwen3(out / "model", shape)
         check.row(
             "model",
@@ -423,20 +494,26 @@ def main() -> int:
             f"{count(shape.num_params())} parameters, built in {time.perf_counter() - t0:.0f} s",
         )
         if args.learner_only:
+            check.phase("learner alone")
             report_learner_alone(check, model_dir, size)
-        else:
+        elif not ON_GPU or report_memory_budget(check, model_dir, size):
+            check.phase("1-rank train")
             steps, seconds, tail = run_train(model_dir, out / "one", size, nproc=1)
             check.require(bool(steps), f"m2po train did not finish: {tail[-600:]}")
             report_train(check, steps, seconds, size, "1 rank", nproc=1)
+            check.phase("generation alone")
             report_generation(check, model_dir, size)
-        if ON_GPU and gpus >= 2 and not args.learner_only:
-            steps, seconds, tail = run_train(model_dir, out / "two", size, nproc=2)
-            check.require(bool(steps), f"2-rank m2po train did not finish: {tail[-600:]}")
-            report_train(check, steps, seconds, size, "2 ranks", nproc=2)
-            report_transport(check)
+            if ON_GPU and gpus >= 2:
+                check.phase("2-rank train")
+                steps, seconds, tail = run_train(model_dir, out / "two", size, nproc=2)
+                check.require(bool(steps), f"2-rank m2po train did not finish: {tail[-600:]}")
+                report_train(check, steps, seconds, size, "2 ranks", nproc=2)
+                check.phase("NCCL transport")
+                report_transport(check)
+    check.end()
     print("\n" + check.markdown())
     if args.write_doc:
-        write_doc(check, heading)
+        print(f"wrote {DOC.relative_to(ROOT)}: {heading}")
     return 1 if check.failed else 0
 
 

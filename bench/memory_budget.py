@@ -171,17 +171,24 @@ def main() -> int:
         f"Host RAM kept by sleep level 1 (refused): {f['host_copy_level1'] / GB:.1f} GB a rank, "
         f"{args.ranks * f['host_copy_level1'] / GB:.0f} GB for {args.ranks} ranks; level 2: none."
     )
-    wakes = [gpu - used for phase, _, used, _ in rows if phase.startswith(("wake", "push"))]
-    least = min(wakes)
-    if f["kv"] <= 0:
-        print(f"the engine's share ({f['engine_share'] / GB:.1f} GB) leaves no KV cache: FAILED")
+    problem, least = verdict(rows, f, gpu, args.margin_gb * GB)
+    if problem and f["kv"] <= 0:
+        print(f"{problem}: FAILED")
         return 1
-    ok = least >= args.margin_gb * GB
     print(
-        f"least free at a wake or the push: {least / GB:.1f} GB ({'ok' if ok else 'FAILED'}: margin {args.margin_gb:g} GB)"
+        f"least free at a wake or the push: {least / GB:.1f} GB ({'FAILED' if problem else 'ok'}: margin {args.margin_gb:g} GB)"
     )
-    return 0 if ok else 1
+    return 1 if problem else 0
 
+
+def verdict(rows: list[tuple], figures: dict, gpu: float, margin: float) -> tuple[str | None, float]:
+    """What does not fit (None if everything does), and the least memory free at a wake or the push."""
+    least = min(gpu - used for phase, _, used, _ in rows if phase.startswith(("wake", "push")))
+    if figures["kv"] <= 0:
+        return f"the engine's share ({figures['engine_share'] / GB:.1f} GB) leaves no KV cache", least
+    if least < margin:
+        return f"{least / GB:.1f} GB free at a wake or the push, under the {margin / GB:g} GB margin", least
+    return None, least
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from m2po_cli.data import encode_prompt
+from m2po_cli.errors import RunError
 from m2po_cli.learner import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
@@ -121,9 +122,20 @@ def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
         assert gap(engine.prompt_logprobs(probe), reloaded) < 1e-5
         for dropped, message in [("k_proj", "qkv_proj"), ("post_attention_layernorm", "did not carry")]:
             partial = [(n, t) for n, t in start if not n.startswith("model.layers.1.") or dropped not in n]
-            with pytest.raises(RuntimeError, match=message):
+            with pytest.raises(RunError, match=message):
                 engine.push_weights(iter(partial), 4)
             with pytest.raises(RuntimeError, match="skipped"):  # half-loaded: no version holds
                 engine.require_version(3)
+        # A GPU's push (vLLM's layerwise reload, which only logs what it did not write) stops too.
+        partial = [(n, t) for n, t in start if n != "model.layers.1.post_attention_layernorm.weight"]
+        with pytest.raises(
+            RunError,
+            match=r"^weight push 5: the engine's model.layers.1.post_attention_layernorm.weight received nothing",
+        ):
+            engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(partial), "version": 5})
+        with pytest.raises(RuntimeError, match="skipped"):
+            engine.require_version(5)
+        engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(start), "version": 6})
+        engine.require_version(6)  # a whole push through the same path goes through
     finally:
         engine.close()
