@@ -27,7 +27,6 @@ from m2po_cli.rollout.server import (
     swap_weights,
     token_versions,
 )
-from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.train.packed import pack_groups
 from m2po_cli.train.updates import train_on
@@ -90,36 +89,6 @@ def probe(tokenizer):
         encode_prompt(tokenizer, "{problem}", p) + tokenizer.encode(a, add_special_tokens=False)
         for p, a in [("3+4", "\\boxed{7}"), ("12+30", "\\boxed{42}"), ("0+0", "\\boxed{1}")]
     ]
-
-
-def test_a_seed_decides_a_prompts_samples_whatever_the_batch_and_the_engine(served, tokenizer):
-    """The in-process engine and `vllm serve`, each request with its own seed (the path a GPU run
-    takes too): a prompt's samples are the same alone, among other prompts in another order, and on
-    the other engine; another seed gives others."""
-    from m2po_cli.rollout.engine import VLLMEngine
-
-    recipe, server, _ = served
-    assert server.weight_version() == "0", "the server must still hold the weights it started with"
-    sums = [(1, 2), (3, 4), (2, 2), (4, 0), (7, 5), (9, 9)]
-    prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in sums]
-    seeds = [request_seed(recipe.run.seed, 0, i) for i in range(len(prompts))]
-    engine = VLLMEngine(resolve_model(MODEL), recipe.rollout, "float32", recipe.max_model_len)
-    try:
-        alone = [engine.generate([p], [seed])[0] for p, seed in zip(prompts[:3], seeds, strict=False)]
-        together = engine.generate(prompts, seeds)
-        regrouped = engine.generate(prompts[:1:-1] + prompts[:2], seeds[:1:-1] + seeds[:2])
-        reseeded = engine.generate(prompts[:1], [seeds[0] + 10_000])
-    finally:
-        engine.close()
-    over_http = HTTPEngine(server, recipe).generate(prompts[:3], seeds[:3])
-
-    def tokens(groups):
-        return [[c.token_ids for c in group] for group in groups]
-
-    assert tokens(together[:3]) == tokens(alone) == tokens(over_http)
-    assert tokens(regrouped) == tokens(together[:1:-1] + together[:2])
-    assert tokens(reseeded) != tokens(together[:1])
-    assert len({tuple(ids) for ids in tokens(together)[0]}) > 1, "a prompt's n samples differ"
 
 
 def test_samples_carry_tokens_and_behaviour_logprobs(served, tokenizer):
