@@ -240,7 +240,7 @@ def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(se
         move_weights(learner, seed=0)
         versions.keep()
         prompt = probe(tokenizer)[0]
-        body = sampling_body(prompt, recipe.rollout)
+        body = sampling_body(prompt, recipe.rollout, seed=0)
         body["sampling_params"] |= {"n": 1, "max_tokens": 160, "ignore_eos": True}
         completion = stream_until(server, body, 24, lambda: (transport.push(learner), transport.wait()))
     finally:

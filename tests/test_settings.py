@@ -95,18 +95,15 @@ def test_each_request_seed_is_fixed_by_its_place_and_its_n_seeds_overlap_no_othe
     assert request_seed(0, 12) != request_seed(0, 0, 12)  # a separate-mode place is not a colocated one
 
 
+def rollout_engine_args(on_gpu: bool, **settings) -> dict:
+    """A rollout engine's arguments for a placeholder model, as `build_llm` gets them."""
+    defaults = dict(dtype="float32", max_model_len=64, tensor_parallel_size=1, cuda_graphs=on_gpu,
+                    kv_cache_gib=1.0, gpu_memory_utilization=0.5)  # fmt: skip
+    return engine_args(Path("/models/policy"), on_gpu=on_gpu, behaviour_logprobs=True, **{**defaults, **settings})
+
+
 def test_a_cpu_engine_prefills_every_prompt_in_one_step():
     """The CPU runner cannot roll a per-request generator back after a partial prefill chunk."""
-    args = engine_args(
-        Path("/models/policy"),
-        dtype="float32",
-        max_model_len=6000,
-        tensor_parallel_size=1,
-        cuda_graphs=False,
-        kv_cache_gib=1.0,
-        gpu_memory_utilization=0.5,
-        on_gpu=False,
-        behaviour_logprobs=True,
-    )
+    args = rollout_engine_args(on_gpu=False, max_model_len=6000)
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 6000
     assert "--no-enable-chunked-prefill" in cli_flags(args)

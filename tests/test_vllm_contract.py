@@ -24,7 +24,8 @@ from m2po_cli.config import RolloutConfig
 from m2po_cli.rollout.engine import WAKE_ORDER, VLLMEngine
 from m2po_cli.rollout.nccl import FanOutClient, learner_source, trainer_init_info
 from m2po_cli.rollout.server import EngineServer
-from m2po_cli.rollout.settings import engine_args, request_seed, rollout_sampling
+from m2po_cli.rollout.settings import request_seed, rollout_sampling
+from tests.test_settings import rollout_engine_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,17 +109,7 @@ def test_the_colocated_engine_calls_the_installed_llm_as_a_gpu_run_does(monkeypa
 def test_a_gpu_engine_takes_every_argument_the_project_gives_it():
     from vllm.engine.arg_utils import EngineArgs
 
-    args = engine_args(
-        Path("/models/policy"),
-        dtype="bfloat16",
-        max_model_len=4096,
-        tensor_parallel_size=2,
-        cuda_graphs=True,
-        kv_cache_gib=1.0,
-        gpu_memory_utilization=0.5,
-        on_gpu=True,
-        behaviour_logprobs=True,
-    )
+    args = rollout_engine_args(on_gpu=True, dtype="bfloat16", max_model_len=4096, tensor_parallel_size=2)
     args |= dict(enable_sleep_mode=True, distributed_executor_backend="external_launcher")
     EngineArgs(**args)  # an unknown or renamed argument raises TypeError
     import vllm.envs
