@@ -93,7 +93,10 @@ class LogprobHead(nn.Linear):
             # backward gives each a (zero) gradient and FSDP2 reduce-scatters on every rank alike.
             empty = (h_BLD.sum() + self.weight.sum()).float()[None][:0]
             return empty, empty.detach() if self.request.with_entropy else None
-        h_ND = h_BLD.reshape(-1, h_BLD.shape[-1])[self.request.source_N]
+        # index_select, not h[source_N]: a shared prompt's last position feeds every sample of its group,
+        # and the backward of advanced indexing adds such repeats with parallel atomic float adds on
+        # the CPU, in an order that varies from run to run; index_select's backward adds them in order.
+        h_ND = torch.index_select(h_BLD.reshape(-1, h_BLD.shape[-1]), 0, self.request.source_N)
         return chunked_logprobs(h_ND, self.weight, self.bias, self.request)
 
 

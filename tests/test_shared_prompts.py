@@ -126,3 +126,27 @@ def test_the_learner_packs_whole_groups_when_sharing(learner):
     assert all(
         p.prompt_lengths_B is None for _, p in learner.micro_batches(replace(rows, prompt_lengths_B=None))
     )
+
+
+def test_the_heads_gradient_is_the_same_on_every_run_though_positions_repeat():
+    """A shared prompt's last position feeds every sample of its group, so the head reads some of
+    `h` many times. The backward must add those repeats in a fixed order: advanced indexing's
+    backward adds them with parallel atomic float adds on the CPU, which differ in the last bits
+    from run to run (with these sizes, nearly every run; `TEST_THREADS` threads)."""
+    from m2po_cli.logprobs import LogprobHead, ScoreRequest
+
+    gen = torch.Generator().manual_seed(0)
+    head = LogprobHead(64, 32, bias=False)
+    h_BLD = torch.randn(30, 100, 64, generator=gen, requires_grad=True)
+    source_N = torch.randint(0, 300, (2700,), generator=gen)  # 2,700 reads of 300 positions
+    head.request = ScoreRequest(source_N, torch.randint(0, 32, (2700,), generator=gen), 1.0, False)
+    weight_N = torch.randn(2700, generator=gen)
+
+    def gradient() -> torch.Tensor:
+        h_BLD.grad = None
+        logprobs_N, _ = head(h_BLD)
+        (logprobs_N * weight_N).sum().backward()
+        return h_BLD.grad.clone()
+
+    first = gradient()
+    assert all(torch.equal(gradient(), first) for _ in range(30))
