@@ -6,7 +6,8 @@
 Each run trains `--steps` steps in a folder of its own (`--out`, temporary by default), one after
 the other; `--busy` keeps the machine's other cores busy during the second one. Then their
 `metrics.jsonl` are compared value by value, step by step, leaving out what measures the machine
-rather than the run (keys under `time/`, `perf/` and `mem/`). Prints `identical` with the steps and
+rather than the run (keys under `time/`, `perf/` and `mem/`), and so are their exported weights
+(`export/*.safetensors`, byte for byte) when both have them. Prints `identical` with the steps and
 values compared and one hash of each run's compared values, or the first step and key where the
 runs part, with both values. Exits 0 when identical, 1 when they part, 2 when a run fails.
 """
@@ -52,12 +53,22 @@ def first_difference(a: list[dict], b: list[dict]) -> str | None:
     return None
 
 
+def exported(run_dir: Path) -> bytes | None:
+    """The run's exported weights, every file in name order; None without an export."""
+    files = sorted((run_dir / "export").glob("*.safetensors"))
+    return b"".join(f.read_bytes() for f in files) if files else None
+
+
 def report(a_dir: Path, b_dir: Path) -> int:
     a, b = compared(a_dir), compared(b_dir)
     where = first_difference(a, b)
+    weights_a, weights_b = exported(a_dir), exported(b_dir)
+    if where is None and weights_a != weights_b:
+        where = "the exported weights" if weights_a and weights_b else "the export (one run has none)"
     if where is None:
         values = sum(len(step) for step in a)
-        print(f"identical: {len(a)} steps, {values} values; sha256 {digest(a)} = {digest(b)}")
+        exports = ", the same exported weights" if weights_a else ""
+        print(f"identical: {len(a)} steps, {values} values{exports}; sha256 {digest(a)} = {digest(b)}")
         return 0
     print(f"the runs part at {where} (sha256 {digest(a)} vs {digest(b)})")
     return 1
@@ -71,9 +82,19 @@ def spin() -> None:
 
 def train(recipe: Path, out: Path, name: str, steps: int, overrides: list[str]) -> int:
     sets = [*overrides, f"run.steps={steps}", f'run.name="{name}"', f'run.output_dir="{out}"']
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     with open(out / f"{name}.log", "w") as log:
-        cmd = [sys.executable, "-m", "m2po_cli", "train", str(recipe), *[a for s in sets for a in ("--set", s)]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "m2po_cli",
+            "train",
+            str(recipe),
+            *[a for s in sets for a in ("--set", s)],
+        ]
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if done.returncode:
         print(f"determinism: run {name} failed (exit {done.returncode}); see {out / (name + '.log')}")
@@ -87,7 +108,9 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", type=Path, default=None, help="where the two runs go (default: temporary)")
     ap.add_argument("--busy", action="store_true", help="keep the other cores busy during the second run")
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"), help="compare two run folders")
+    ap.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("RUN_A", "RUN_B"), help="compare two run folders"
+    )
     args = ap.parse_args()
     if args.compare:
         return report(*args.compare)
@@ -98,7 +121,10 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         if code := train(args.recipe, out, "run-a", args.steps, args.overrides):
             return 2
-        spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(max(1, (os.cpu_count() or 2) - 1))]
+        spinners = [
+            multiprocessing.Process(target=spin, daemon=True)
+            for _ in range(max(1, (os.cpu_count() or 2) - 1))
+        ]
         for p in spinners if args.busy else []:
             p.start()
         try:
