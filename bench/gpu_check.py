@@ -160,7 +160,11 @@ def run_train(model_dir: Path, out: Path, size: dict, nproc: int) -> tuple[list[
 def child_env() -> dict[str, str]:
     """The environment of a child process: the caller's, with the project and bench/ ahead on
     `PYTHONPATH` (packages a machine without network brings through it stay visible)."""
-    paths = [str(ROOT), str(ROOT / "bench"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [
+        str(ROOT),
+        str(ROOT / "bench"),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
@@ -269,24 +273,18 @@ def generate_alone(model_dir: Path, graphs: bool, size: dict) -> dict:
 def report_generation(check: Check, model_dir: Path, size: dict) -> None:
     """Generation alone, in one fresh engine: with CUDA graphs on a GPU (the recipe's setting; the
     train run's own rollout rate is the eager-free figure in training), eager on the CPU."""
-    for graphs in (ON_GPU,):
-        args = [
-            sys.executable,
-            __file__,
-            "--generate",
-            "graphs" if graphs else "eager",
-            "--model",
-            str(model_dir),
-        ]
-        done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=child_env())
-        name = f"generation alone, {'CUDA graphs' if graphs else 'eager'}"
-        check.require(done.returncode == 0, f"{name}: {(done.stderr or done.stdout)[-300:]}")
-        if done.returncode == 0:
-            r = json.loads(done.stdout.strip().splitlines()[-1])
-            check.row(
-                f"{name} (tokens/s)",
-                f"{r['tokens'] / r['seconds']:,.0f} ({size['gen_prompts']} prompts x {size['n']}, {r['tokens']:,} tokens in {r['seconds']:.1f} s)",
-            )
+    mode, name = (
+        ("graphs", "generation alone, CUDA graphs") if ON_GPU else ("eager", "generation alone, eager")
+    )
+    args = [sys.executable, __file__, "--generate", mode, "--model", str(model_dir)]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=child_env())
+    check.require(done.returncode == 0, f"{name}: {(done.stderr or done.stdout)[-300:]}")
+    if done.returncode == 0:
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        check.row(
+            f"{name} (tokens/s)",
+            f"{r['tokens'] / r['seconds']:,.0f} ({size['gen_prompts']} prompts x {size['n']}, {r['tokens']:,} tokens in {r['seconds']:.1f} s)",
+        )
 
 
 def report_transport(check: Check) -> None:
@@ -441,9 +439,7 @@ def main() -> int:
     ap.add_argument(
         "--write-doc", action=argparse.BooleanOptionalAction, default=ON_GPU, help="write docs/performance.md"
     )
-    ap.add_argument(
-        "--report", type=Path, default=None, help="also write the table here, after every phase"
-    )
+    ap.add_argument("--report", type=Path, default=None, help="also write the table here, after every phase")
     ap.add_argument(
         "--learner-only",
         action=argparse.BooleanOptionalAction,

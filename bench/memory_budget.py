@@ -190,5 +190,6 @@ def verdict(rows: list[tuple], figures: dict, gpu: float, margin: float) -> tupl
         return f"{least / GB:.1f} GB free at a wake or the push, under the {margin / GB:g} GB margin", least
     return None, least
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -119,18 +119,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="m2po-determinism-") as tmp:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
-        if code := train(args.recipe, out, "run-a", args.steps, args.overrides):
+        if train(args.recipe, out, "run-a", args.steps, args.overrides):
             return 2
-        spinners = [
-            multiprocessing.Process(target=spin, daemon=True)
-            for _ in range(max(1, (os.cpu_count() or 2) - 1))
-        ]
-        for p in spinners if args.busy else []:
+        cores = max(1, (os.cpu_count() or 2) - 1) if args.busy else 0
+        spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(cores)]
+        for p in spinners:
             p.start()
         try:
             code = train(args.recipe, out, "run-b", args.steps, args.overrides)
         finally:
-            for p in spinners if args.busy else []:
+            for p in spinners:
                 p.terminate()
         return 2 if code else report(out / "run-a", out / "run-b")
 

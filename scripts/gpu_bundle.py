@@ -56,7 +56,14 @@ WHEELS = (
     "math-verify", "latex2sympy2_extended", "antlr4-python3-runtime==4.13.2",
 )  # fmt: skip
 # What `check` imports there: the engine, the learner, the grader.
-IMPORTS = ("vllm", "vllm.entrypoints.llm", "torchtitan", "math_verify", "m2po_cli.rollout.engine", "m2po_cli.learner")
+IMPORTS = (
+    "vllm",
+    "vllm.entrypoints.llm",
+    "torchtitan",
+    "math_verify",
+    "m2po_cli.rollout.engine",
+    "m2po_cli.learner",
+)
 
 
 def download(names: list[str], into: Path) -> None:
@@ -68,7 +75,10 @@ def download(names: list[str], into: Path) -> None:
 
 def xz_tar(out: Path, members: dict[str, bytes]) -> int:
     """Write `members` (archive name -> bytes) as one .tar.xz; its size."""
-    with lzma.open(out, "wb", preset=9 | lzma.PRESET_EXTREME) as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+    with (
+        lzma.open(out, "wb", preset=9 | lzma.PRESET_EXTREME) as raw,
+        tarfile.open(fileobj=raw, mode="w") as tar,
+    ):
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -89,13 +99,18 @@ def build(vllm: str, cache: Path) -> None:
         names = zf.namelist()
         one = {MAIN_LIBRARY: zf.read(MAIN_LIBRARY)}
         two = {n: zf.read(n) for n in names if not n.endswith(".so") or n in KEEP_LIBRARIES}
-    sizes = {"one": xz_tar(OUT / "one" / "vllm-lib.tar.xz", one), "two": xz_tar(OUT / "two" / "vllm.tar.xz", two)}
+    sizes = {
+        "one": xz_tar(OUT / "one" / "vllm-lib.tar.xz", one),
+        "two": xz_tar(OUT / "two" / "vllm.tar.xz", two),
+    }
     download(list(WHEELS), OUT / "two" / "wheels")
     sizes["two"] += sum(p.stat().st_size for p in (OUT / "two" / "wheels").iterdir())
     for part, size in sizes.items():
         print(f".gpu-bundle/{part}: {size / 2**20:.1f} MiB")
         if size > LIMIT:
-            raise SystemExit(f"gpu_bundle: part {part} is {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB")
+            raise SystemExit(
+                f"gpu_bundle: part {part} is {size / 2**20:.1f} MiB, over {LIMIT / 2**20:.0f} MiB"
+            )
 
 
 def unpack(part: Path, site: Path, pth_dir: Path) -> None:

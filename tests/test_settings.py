@@ -88,7 +88,9 @@ def test_every_engine_names_the_worker_extension_that_exists():
 def test_each_request_seed_is_fixed_by_its_place_and_its_n_seeds_overlap_no_others():
     """vLLM seeds sample i of a request with seed + i: the seeds of different requests must be
     further apart than any n (and within vLLM's int64)."""
-    seeds = sorted(request_seed(run, step, prompt) for run in range(4) for step in range(50) for prompt in range(64))
+    seeds = sorted(
+        request_seed(run, step, prompt) for run in range(4) for step in range(50) for prompt in range(64)
+    )
     assert seeds[0] >= 0 and seeds[-1] < 2**62
     assert min(b - a for a, b in itertools.pairwise(seeds)) > 2**20
     assert request_seed(3, 7, 1) == request_seed(3, 7, 1) != request_seed(3, 1, 7)
@@ -99,7 +101,9 @@ def rollout_engine_args(on_gpu: bool, **settings) -> dict:
     """A rollout engine's arguments for a placeholder model, as `build_llm` gets them."""
     defaults = dict(dtype="float32", max_model_len=64, tensor_parallel_size=1, cuda_graphs=on_gpu,
                     kv_cache_gib=1.0, gpu_memory_utilization=0.5)  # fmt: skip
-    return engine_args(Path("/models/policy"), on_gpu=on_gpu, behaviour_logprobs=True, **{**defaults, **settings})
+    return engine_args(
+        Path("/models/policy"), on_gpu=on_gpu, behaviour_logprobs=True, **{**defaults, **settings}
+    )
 
 
 def test_a_cpu_engine_prefills_every_prompt_in_one_step():

@@ -114,7 +114,11 @@ def test_a_gpu_engine_takes_every_argument_the_project_gives_it():
     EngineArgs(**args)  # an unknown or renamed argument raises TypeError
     import vllm.envs
 
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "VLLM_SERVER_DEV_MODE"):
+    for name in (
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS",
+        "VLLM_SERVER_DEV_MODE",
+    ):
         assert name in vllm.envs.environment_variables, f"{name}: not an environment variable of this vLLM"
 
 
@@ -194,8 +198,7 @@ def test_the_installed_nccl_trainer_engine_walks_the_learner_source():
     engine.send_weights()
     engine.send_weights()
     assert learner.passes == 2
-    meta = source.metadata if isinstance(source.metadata, list) else source.metadata()
-    assert len(list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))) == 2
+    assert len(list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata))) == 2
     engine.shutdown()
 
 
@@ -293,4 +296,3 @@ def test_a_call_the_installed_vllm_does_not_take_is_named():
         bind(LLM, "wake_up", tag=["weights"])
     with pytest.raises(AssertionError, match=r"LLM\.wake_up_weights: not in the installed vLLM"):
         bind(LLM, "wake_up_weights")
-

@@ -81,7 +81,6 @@ class WeightSync:
         return model_signature(self.model_runner.model_config.hf_config.to_dict())
 
 
-
 @contextmanager
 def recording_loads(model: nn.Module) -> Iterator[set[str]]:
     """The names of the parameters `model.load_weights` reports written while inside: vLLM's reload
