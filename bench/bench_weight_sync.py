@@ -61,7 +61,7 @@ import torch
 from local_model import CPU_BENCH, write_qwen3
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.rollout.engine import VLLMEngine
 
 MAX_RATIO = 3.0

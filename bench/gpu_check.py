@@ -321,7 +321,7 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     rewards that vary within every group; the batch is scored at version 0 and trained at versions
     0, 1 and 2. Each update's metrics, and the peak device memory (GPU)."""
     from m2po_cli.config import InspectConfig, load_recipe
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.record import Recorder
     from m2po_cli.rollout.engine import Completion

@@ -25,7 +25,7 @@ import torch
 from m2po_cli.config import load_recipe
 from m2po_cli.data import PromptBatches, encode_prompt, load_problems
 from m2po_cli.grader import Grader, grader_workers
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion, VLLMEngine

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from m2po_cli.batch import Batch
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import Learner
+from m2po_cli.learner.batch import Batch
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 

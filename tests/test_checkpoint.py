@@ -16,7 +16,7 @@ from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.data import PromptBatches, load_problems
 from m2po_cli.errors import RunError
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.loop import resume

@@ -168,7 +168,7 @@ def run_dir(tmp_path_factory):
     Made by the learner, `checkpoint.save` and `export_hf`, as `m2po train` makes them, but without
     rollouts: seconds instead of a minute.
     """
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner.policy import Learner
 
     tmp = tmp_path_factory.mktemp("eval")
     base = resolve_model("builtin:tiny-qwen3")  # from the user's cache: built once

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import Learner
+from m2po_cli.learner.mask_correction import provisional_keep
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import toward_advantage
-from m2po_cli.mask_correction import provisional_keep
 from m2po_cli.models import resolve_model
 from tests.conftest import recipe_for
 from tests.dist_learner_worker import OVERRIDES as WORKER_OVERRIDES

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m2po_cli import logprobs as logprobs_module
-from m2po_cli.batch import micro_batches
-from m2po_cli.learner import Learner
-from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
+from m2po_cli.learner import logprobs as logprobs_module
+from m2po_cli.learner.batch import micro_batches
+from m2po_cli.learner.logprobs import ScoreRequest, chunked_logprobs
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from m2po_cli.config import SyntheticConfig
 from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import Completion

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from m2po_cli import shared_prompts
-from m2po_cli.batch import micro_batches
-from m2po_cli.learner import Learner
+from m2po_cli.learner import shared_prompts
+from m2po_cli.learner.batch import micro_batches
+from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from tests.conftest import recipe_for
 from tests.test_packed import random_pack
@@ -133,7 +133,7 @@ def test_the_heads_gradient_is_the_same_on_every_run_though_positions_repeat():
     `h` many times. The backward must add those repeats in a fixed order: advanced indexing's
     backward adds them with parallel atomic float adds on the CPU, which differ in the last bits
     from run to run (with these sizes, nearly every run; `TEST_THREADS` threads)."""
-    from m2po_cli.logprobs import LogprobHead, ScoreRequest
+    from m2po_cli.learner.logprobs import LogprobHead, ScoreRequest
 
     gen = torch.Generator().manual_seed(0)
     head = LogprobHead(64, 32, bias=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from m2po_cli.errors import RunError
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.nccl import learner_source, rank_offsets
 from m2po_cli.rollout.transport import resolve_transport

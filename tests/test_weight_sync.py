@@ -10,7 +10,7 @@ import torch
 
 from m2po_cli.data import encode_prompt
 from m2po_cli.errors import RunError
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder

@@ -24,7 +24,7 @@ from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.rollout.settings import request_seed

@@ -23,7 +23,7 @@ from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.errors import RunError
 from m2po_cli.grader import load_reward
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
-from m2po_cli.batch import Batch
 from m2po_cli.distributed import transfer_device
+from m2po_cli.learner.batch import Batch
 from m2po_cli.rollout.engine import Completion
 
 

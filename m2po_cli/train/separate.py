@@ -24,7 +24,7 @@ from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.producer import Finished, Group, RolloutProducer
 from m2po_cli.rollout.server import EngineServer

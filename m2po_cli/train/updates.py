@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from m2po_cli.config import Recipe
 from m2po_cli.distributed import all_reduce
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.train.packed import PackedRollouts, all_gather_rows
 

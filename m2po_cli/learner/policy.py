@@ -32,15 +32,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from m2po_cli import shared_prompts
-from m2po_cli.batch import IDLE, Batch, micro_batches
 from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce, init_distributed
 from m2po_cli.hf_weights import HFWeights
-from m2po_cli.logprobs import install_head, score_request, scored_positions
+from m2po_cli.learner import shared_prompts
+from m2po_cli.learner.batch import IDLE, Batch, micro_batches
+from m2po_cli.learner.logprobs import install_head, score_request, scored_positions
+from m2po_cli.learner.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
-from m2po_cli.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.titan import ModelArch, ParallelDims, accept_attention_masks, load_arch, use_fused_attention
 
 

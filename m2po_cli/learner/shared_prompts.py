@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from m2po_cli.logprobs import ScoreRequest, scored_positions
+from m2po_cli.learner.logprobs import ScoreRequest, scored_positions
 
 AUTO_MIN_SAVING = 0.25
 AUTO_MAX_GROUP_TOKENS = 8192
