@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.attention import SDPBackend
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner.policy import mixed_precision
+from m2po_cli.learner.parallelize import mixed_precision
 from m2po_cli.titan import attention_backends
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,8 +28,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
@@ -40,34 +38,9 @@ from m2po_cli.learner import shared_prompts
 from m2po_cli.learner.batch import IDLE, Batch, micro_batches
 from m2po_cli.learner.logprobs import install_head, score_request, scored_positions
 from m2po_cli.learner.mask_correction import correction_rows, correction_weights, provisional_keep
+from m2po_cli.learner.parallelize import data_parallel_mesh, parallelize
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
-from m2po_cli.titan import ModelArch, ParallelDims, accept_attention_masks, load_arch, use_fused_attention
-
-
-def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
-    """For the engine's resolved dtype: in bf16 (what `auto` means on a GPU), fp32 master weights
-    (the sharded parameters stay fp32), bf16 compute, fp32 gradient reduce; in fp32, none."""
-    if dtype != "bfloat16":
-        return None
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def data_parallel_mesh(replicate: int, shard: int, world: int) -> DeviceMesh:
-    """The mesh FSDP2 shards over, from torchtitan's parallel dims: `fsdp` (shard ranks) alone, or
-    `dp_replicate` x `fsdp` for HSDP (gradients reduce-scattered within a shard group, then summed
-    across the replicas)."""
-    dims = ParallelDims(
-        dp_replicate=replicate,
-        dp_shard=shard,
-        cp=1,
-        tp=1,
-        pp=1,
-        ep=1,
-        world_size=world,
-        spmd_backend="partial_dtensor",
-    )
-    dims.build_mesh()
-    return dims.get_mesh(["dp_replicate", "fsdp"]) if replicate > 1 else dims.get_mesh("fsdp")
+from m2po_cli.titan import ModelArch, load_arch
 
 
 class Learner:
@@ -102,22 +75,9 @@ class Learner:
             model = self.arch.build()
         self.replicas, shard = self.recipe.parallel.degrees(self.world)
         mesh = data_parallel_mesh(self.replicas, shard, self.world)
-        mp = mixed_precision(resolve_dtype(self.recipe.model.dtype))
-        kwargs = dict(mesh=mesh, **({"mp_policy": mp} if mp else {}))
-        use_fused_attention(model, self.device.type, bf16=mp is not None)
-        accept_attention_masks(model)
-        if self.recipe.train.activation_checkpointing == "full":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-            for name, block in list(model.layers.named_children()):
-                model.layers.register_module(name, checkpoint_wrapper(block))
-        for block in model.layers.values():
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        for module in model.modules():
-            if isinstance(module, FSDPModule) and self.world > 1:
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        dtype = resolve_dtype(self.recipe.model.dtype)
+        checkpointing = self.recipe.train.activation_checkpointing
+        parallelize(model, mesh, dtype, self.device.type, checkpointing, self.world)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_states(buffer_device=self.device)
