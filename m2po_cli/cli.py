@@ -11,6 +11,7 @@ import click
 
 from m2po_cli.config import ConfigError, load_recipe
 from m2po_cli.tomlconf import to_toml
+from m2po_cli.torchrun import launch
 
 VERBOSE = click.option(
     "-v", "--verbose", is_flag=True, help="Show third-party logs and warnings (vLLM, torch, ...) here too."
@@ -49,8 +50,8 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
     if dry_run:
         click.echo(to_toml(resolved), nl=False)
         return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    problem = resolved.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    shape = launch()
+    problem = resolved.launch_problem(shape.world, shape.local_world)
     if problem:  # before anything starts; a dry run does not know the launch
         _fail(f"{recipe}: {problem}")
     _route_third_party(resolved.run_dir, verbose)
@@ -195,7 +196,7 @@ def _route_third_party(folder: Path, verbose: bool) -> None:
 
     log_path = folder / console.LOG_NAME
     console.route_third_party(log_path, verbose)
-    if os.environ.get("RANK", "0") == "0":
+    if launch().rank == 0:
         console.announce(log_path)
     console.adopt_transformers(verbose)
 

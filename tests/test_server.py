@@ -45,7 +45,6 @@ def served(tmp_path_factory):
         tmp,
         f'model.path="{MODEL}"',
         'rollout.mode="separate"',
-        'staleness.mode="bounded"',
         "rollout.prompts_per_step=4",
         "optim.lr=0.02",
         'loss={type="grpo"}',

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from m2po_cli.config import load_recipe
+from m2po_cli.config import RolloutConfig, load_recipe
 from m2po_cli.rollout.server import sampling_body, serve_command
 from m2po_cli.rollout.settings import (
     cli_flags,
@@ -32,12 +32,9 @@ def test_a_started_server_takes_every_setting_of_the_in_process_engine():
     cfg = load_recipe(ROOT / "recipes" / "quickstart-separate.toml").rollout
     args = engine_args(
         Path("/models/policy"),
+        cfg,
         dtype="float32",
         max_model_len=96,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        cuda_graphs=cfg.cuda_graphs,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
         on_gpu=torch.cuda.is_available(),  # as `serve_command` decides
         behaviour_logprobs=True,
     )
@@ -97,12 +94,17 @@ def test_each_request_seed_is_fixed_by_its_place_and_its_n_seeds_overlap_no_othe
     assert request_seed(0, 12) != request_seed(0, 0, 12)  # a separate-mode place is not a colocated one
 
 
-def rollout_engine_args(on_gpu: bool, **settings) -> dict:
-    """A rollout engine's arguments for a placeholder model, as `build_llm` gets them."""
-    defaults = dict(dtype="float32", max_model_len=64, tensor_parallel_size=1, cuda_graphs=on_gpu,
-                    kv_cache_gib=1.0, gpu_memory_utilization=0.5)  # fmt: skip
+def rollout_engine_args(on_gpu: bool, dtype: str = "float32", max_model_len: int = 64, **keys) -> dict:
+    """A rollout engine's arguments for a placeholder model, as `build_llm` gets them; `keys` are
+    `[rollout]`'s engine keys."""
+    engine = RolloutConfig(cuda_graphs=on_gpu, **keys)
     return engine_args(
-        Path("/models/policy"), on_gpu=on_gpu, behaviour_logprobs=True, **{**defaults, **settings}
+        Path("/models/policy"),
+        engine,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        on_gpu=on_gpu,
+        behaviour_logprobs=True,
     )
 
 

@@ -74,7 +74,6 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
         tmp_path,
         f'model.path="{model}"',
         'rollout.mode="separate"',
-        'staleness.mode="bounded"',
         'rollout.weight_transport="nccl"',
         "rollout.prompts_per_step=4",
         "rollout.gpu_memory_utilization=0.3",

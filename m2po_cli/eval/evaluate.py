@@ -250,14 +250,7 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     from m2po_cli.rollout.engine import build_llm
 
     return build_llm(
-        model_dir,
-        dtype=resolve_dtype(cfg.dtype),
-        max_model_len=max_model_len,
-        in_process=True,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        cuda_graphs=cfg.cuda_graphs,
-        tensor_parallel_size=cfg.tensor_parallel_size,
+        model_dir, cfg, dtype=resolve_dtype(cfg.dtype), max_model_len=max_model_len, in_process=True
     )
 
 

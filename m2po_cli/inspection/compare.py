@@ -57,7 +57,7 @@ class Run:
     @property
     def staleness(self) -> str:
         s = self.config.get("staleness", {})
-        if s.get("mode", "fixed") == "bounded" or self.config.get("rollout", {}).get("mode") == "separate":
+        if self.config.get("rollout", {}).get("mode") == "separate":
             return f"<={s.get('max_staleness', 4)}"
         return str(s.get("s", 0))
 

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from m2po_cli.config import RolloutConfig
+from m2po_cli.config import EngineTable, RolloutConfig
 from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
+from m2po_cli.torchrun import launch
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -82,23 +83,19 @@ def device_free_bytes() -> int:
 
 def _cpu_env() -> None:
     # Under torchrun each local rank binds its own share of the cores.
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    for name, value in cpu_threads(local_rank, local_world).items():
+    shape = launch()
+    for name, value in cpu_threads(shape.local_rank, shape.local_world).items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def build_llm(
     model_dir: Path,
+    engine: EngineTable,
     *,
     dtype: str,
     max_model_len: int,
     in_process: bool,
-    kv_cache_gib: float,
-    gpu_memory_utilization: float,
-    cuda_graphs: bool,
-    tensor_parallel_size: int = 1,
     behaviour_logprobs: bool = False,
     **extra: Any,
 ) -> LLM:
@@ -117,12 +114,9 @@ def build_llm(
 
     args = engine_args(
         model_dir,
+        engine,
         dtype=dtype,
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        cuda_graphs=cuda_graphs,
-        kv_cache_gib=kv_cache_gib,
-        gpu_memory_utilization=gpu_memory_utilization,
         on_gpu=on_gpu,
         behaviour_logprobs=behaviour_logprobs,
     )
@@ -164,15 +158,12 @@ class VLLMEngine:
             log("rollout.sleep_level: vLLM has no sleep mode on CPU; the engine stays awake while training")
         self.llm = build_llm(
             model_dir,
+            cfg,
             dtype=dtype,
             max_model_len=max_model_len,
             in_process=True,
-            kv_cache_gib=cfg.kv_cache_gib,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cuda_graphs=cfg.cuda_graphs,
             behaviour_logprobs=True,
             enable_sleep_mode=self.sleep_level > 0,
-            tensor_parallel_size=cfg.tensor_parallel_size,
             **(dict(distributed_executor_backend="external_launcher") if world > 1 else {}),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))

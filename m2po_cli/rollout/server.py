@@ -83,15 +83,7 @@ def serve_command(
     """The `vllm serve` command of one engine: the project's engine settings (`settings.engine_args`,
     as a rollout engine), served on `host` (loopback for the engines a run starts) under one name."""
     args = engine_args(
-        model_dir,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        cuda_graphs=cfg.cuda_graphs,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        on_gpu=_on_gpu(),
-        behaviour_logprobs=True,
+        model_dir, cfg, dtype=dtype, max_model_len=max_model_len, on_gpu=_on_gpu(), behaviour_logprobs=True
     )
     cmd = [
         # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that

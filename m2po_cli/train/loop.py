@@ -9,7 +9,6 @@ checkpoint needs to resume without losing or repeating a prompt. Rank 0 writes t
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,6 +26,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
+from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.runlog import RunLog
@@ -74,13 +74,10 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     """
     run_dir, source_type = recipe.run_dir, SOURCES[recipe.rollout.mode]
     model_dir = resolve_model(recipe.model.path)
-    # Cheap checks before anything expensive starts: the model's files, the launch, the prompt set.
+    # Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
+    # files, the rollout source's own needs, the prompt set.
     check_model_dir(model_dir)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if problem:
-        raise RunError(problem)
-    source_type.check(recipe, world)
+    source_type.check(recipe, launch().world)
     if recipe.reward.function:
         load_reward(recipe.reward.function)
     problems = (
@@ -130,7 +127,7 @@ def resume(
     last, skipped = checkpoint.choose(run_dir) if recipe.checkpoint.resume == "auto" else (None, [])
     first_step, restored = 0, None
     if last is not None:
-        mode = checkpoint.mode_of(checkpoint.read_loop(last))
+        mode = checkpoint.read_loop(last)["mode"]
         if mode != recipe.rollout.mode:
             raise RunError(f"{last}: checkpoint of a {mode}-mode run; resume it with rollout.mode = {mode}")
         loop = checkpoint.load(last, learner)
