@@ -324,7 +324,7 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.record import Recorder
-    from m2po_cli.rollout.engine import Completion
+    from m2po_cli.rollout.completion import Completion
     from m2po_cli.train.colocated import score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
     from m2po_cli.train.updates import train_on

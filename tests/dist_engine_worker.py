@@ -28,11 +28,13 @@ from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.rollout.completion import Completion
+from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
+from tests.probes import require_version
 from tests.test_weight_sync import logprob_gap, no_record
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
@@ -140,11 +142,11 @@ def main(out: Path, tp: int) -> None:
             )  # no engine: the push is skipped
             record["stale"].append(logprob_gap(engine, learner, probe))
             try:
-                engine.require_version(learner.version)
+                require_version(engine, learner.version)
             except RuntimeError:
                 record["skips_caught"] += 1
             sync_weights(learner, engine)
-            engine.require_version(learner.version)
+            require_version(engine, learner.version)
             record["gaps"].append(logprob_gap(engine, learner, probe))
     finally:
         engine.close()

@@ -19,7 +19,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.engine import Completion
+from m2po_cli.rollout.completion import Completion
 from m2po_cli.train.colocated import score_at_behaviour_version
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on

@@ -15,7 +15,7 @@ import pytest
 
 from m2po_cli.config import DataConfig, RolloutConfig, SyntheticConfig
 from m2po_cli.data import PromptBatches, load_problems
-from m2po_cli.rollout.engine import Completion
+from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineError, EngineServer
 

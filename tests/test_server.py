@@ -16,7 +16,7 @@ from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout.engine import Completion
+from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import (
     GENERATE,
@@ -31,6 +31,7 @@ from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.train.packed import pack_groups
 from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
+from tests.probes import server_prompt_logprobs
 from tests.test_weight_sync import logprob_gap, sampled_batch
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ def tokenizer():
 
 
 class HTTPEngine:
-    """The two calls `sampled_batch` and `logprob_gap` make, served over HTTP."""
+    """`generate` served over HTTP, for `sampled_batch`; `logprob_gap` reads its `server`."""
 
     def __init__(self, server: EngineServer, recipe):
         self.server, self.recipe = server, recipe
@@ -78,9 +79,6 @@ class HTTPEngine:
     def _sample(self, prompt, seed):
         body = sampling_body(prompt, self.recipe.rollout, seed)
         return parse_completions(httpx.post(f"{self.server.url}{GENERATE}", json=body, timeout=60).json())
-
-    def prompt_logprobs(self, sequences):
-        return self.server.prompt_logprobs(sequences)
 
 
 def probe(tokenizer):
@@ -100,7 +98,7 @@ def test_samples_carry_tokens_and_behaviour_logprobs(served, tokenizer):
     # The engine's logprobs of its own samples are the learner's at the same weights (processed mode).
     offsets, starts = batch.offsets_B1.tolist(), batch.response_offsets().tolist()
     sequences = [batch.tokens_N[offsets[b] : offsets[b + 1]].tolist() for b in range(batch.num_rows)]
-    from_server = server.prompt_logprobs(sequences)
+    from_server = server_prompt_logprobs(server, sequences)
     for b, seq_lp in enumerate(from_server):
         k = int(responses_B[b])
         behaviour = batch.behaviour_R[starts[b] : starts[b + 1]].tolist()

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from m2po_cli.config import RolloutConfig, load_recipe
-from m2po_cli.rollout.server import sampling_body, serve_command
+from m2po_cli.rollout.launch import serve_command
+from m2po_cli.rollout.server import sampling_body
 from m2po_cli.rollout.settings import (
     cli_flags,
     cpu_threads,

@@ -14,18 +14,20 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.engine import Completion, VLLMEngine
+from m2po_cli.rollout.completion import Completion
+from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.packed import PackedRollouts, pack_groups
 from m2po_cli.train.updates import train_on
 from tests.conftest import recipe_for
+from tests.probes import prompt_logprobs, require_version
 
 pytestmark = pytest.mark.slow
 
 
 def logprob_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]) -> float:
     """Largest |engine - learner| logprob over every token (after the first) of `sequences`."""
-    from_engine = engine.prompt_logprobs(sequences)
+    from_engine = prompt_logprobs(engine, sequences)
     groups = [[Completion(s[1:], lp, "", True)] for s, lp in zip(sequences, from_engine, strict=True)]
     batch = pack_groups(
         learner.version, 0, [s[:1] for s in sequences], groups, torch.zeros(len(sequences), 1), False, 1e-6
@@ -79,14 +81,14 @@ def test_push_makes_engine_match_learner(model, tmp_path):
             # The check below is only meaningful if a missed push is visible to it.
             assert stale > 1e-3, f"the update moved the probe's logprobs by only {stale:.2e}"
             with pytest.raises(RuntimeError, match="skipped"):
-                engine.require_version(learner.version)
+                require_version(engine, learner.version)
 
             # A generator cannot be pickled: the push succeeding proves no message carried the
             # weights; the engine pulled them one tensor at a time, in this process.
             weights = learner.hf_weights(engine.dtype)
             engine.push_weights(weights, learner.version)
             assert inspect.getgeneratorstate(weights) == inspect.GEN_CLOSED
-            engine.require_version(learner.version)
+            require_version(engine, learner.version)
             assert logprob_gap(engine, learner, probe) < 1e-4
             # generate checks that every completion was sampled by this version.
             assert len(engine.generate(probe[:1], [1])[0]) == recipe.rollout.n
@@ -111,21 +113,21 @@ def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
         return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
     try:
-        at_start = engine.prompt_logprobs(probe)
+        at_start = prompt_logprobs(engine, probe)
         engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(moved), "version": 1})
         engine.llm.reset_prefix_cache()
-        reloaded = engine.prompt_logprobs(probe)
+        reloaded = prompt_logprobs(engine, probe)
         assert gap(at_start, reloaded) > 1e-2, "the moved weights must change the probe"
         engine.push_weights(iter(start), 2)
-        assert gap(engine.prompt_logprobs(probe), at_start) < 1e-5
+        assert gap(prompt_logprobs(engine, probe), at_start) < 1e-5
         engine.push_weights(iter(moved), 3)
-        assert gap(engine.prompt_logprobs(probe), reloaded) < 1e-5
+        assert gap(prompt_logprobs(engine, probe), reloaded) < 1e-5
         for dropped, message in [("k_proj", "qkv_proj"), ("post_attention_layernorm", "did not carry")]:
             partial = [(n, t) for n, t in start if not n.startswith("model.layers.1.") or dropped not in n]
             with pytest.raises(RunError, match=message):
                 engine.push_weights(iter(partial), 4)
             with pytest.raises(RuntimeError, match="skipped"):  # half-loaded: no version holds
-                engine.require_version(3)
+                require_version(engine, 3)
         # A GPU's push (vLLM's layerwise reload, which only logs what it did not write) stops too.
         partial = [(n, t) for n, t in start if n != "model.layers.1.post_attention_layernorm.weight"]
         with pytest.raises(
@@ -134,8 +136,8 @@ def test_push_after_a_reload_and_incomplete_pushes(tmp_path):
         ):
             engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(partial), "version": 5})
         with pytest.raises(RuntimeError, match="skipped"):
-            engine.require_version(5)
+            require_version(engine, 5)
         engine.llm.collective_rpc("m2po_reload", kwargs={"weights": iter(start), "version": 6})
-        engine.require_version(6)  # a whole push through the same path goes through
+        require_version(engine, 6)  # a whole push through the same path goes through
     finally:
         engine.close()

@@ -11,33 +11,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from m2po_cli.config import EngineTable, RolloutConfig
+from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
 from m2po_cli.torchrun import launch
 
 if TYPE_CHECKING:
     from vllm import LLM
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled response: its tokens, their behaviour logprobs, and the decoded text.
-
-    `versions` is the weight version that sampled each token, where it may vary within a response
-    (separate mode: weights change while a request is in flight); None means all tokens share the
-    version of their batch."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finished: bool  # stopped on EOS rather than on the length limit
-    versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):
@@ -54,12 +39,6 @@ class RolloutEngine(Protocol):
 
     def sleep(self) -> None:
         """Release device memory while the learner trains; the next push wakes the engine."""
-
-    def require_version(self, version: int) -> None:
-        """Raise unless the engine holds the weights of learner version `version`."""
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
 
     def close(self) -> None: ...
 
@@ -213,27 +192,6 @@ class VLLMEngine:
             raise RuntimeError(f"weight push {version}: the engine's workers report versions {stamped}")
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version
-
-    def require_version(self, version: int) -> None:
-        """Raise unless every worker holds the weights of learner version `version`."""
-        held = self.llm.collective_rpc("m2po_version")
-        if held != [version] * len(held):
-            raise RuntimeError(
-                f"the rollout engine holds weight version {held}, the learner is at {version}: "
-                "a weight push was skipped"
-            )
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False
-        )
-        return [
-            [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
-            for out, seq in zip(outputs, sequences, strict=True)
-        ]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from m2po_cli.rollout.server import EngineError, EngineServer, free_port
+from m2po_cli.rollout.launch import free_port
+from m2po_cli.rollout.server import EngineError, EngineServer
 from m2po_cli.rollout.transport import WeightTransport
 
 PACKED_BUFFER_BYTES = 2**30

@@ -35,9 +35,27 @@ from m2po_cli.train.updates import rollout_metrics, train_on
 
 
 class RolloutSource(Protocol):
-    """Where a step's rollout batch comes from, and when the engines get the learner's weights."""
+    """Where a step's rollout batch comes from, and when the engines get the learner's weights.
+
+    Built once per run from what the loop holds (`restored`: the checkpoint it resumes from, if
+    any) and used as a context manager: leaving it stops what it started (engines, graders)."""
 
     mode: str
+
+    def __init__(
+        self,
+        model_dir: Path,
+        recipe: Recipe,
+        learner: Learner,
+        prompts: PromptBatches,
+        recorder: Recorder,
+        log: RunLog | None,
+        restored: Restored | None,
+    ) -> None: ...
+
+    def __enter__(self) -> RolloutSource: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
@@ -64,7 +82,7 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-SOURCES = {"colocated": ColocatedSource, "separate": SeparateSource}
+SOURCES: dict[str, type[RolloutSource]] = {"colocated": ColocatedSource, "separate": SeparateSource}
 
 
 def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
@@ -93,7 +111,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         first_step, restored = resume(run_dir, recipe, learner, prompts, log)
         recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
         recorder.start(first_step)
-        source = stack.enter_context(
+        source: RolloutSource = stack.enter_context(
             source_type(model_dir, recipe, learner, prompts, recorder, log, restored)
         )
         source.start(first_step)
