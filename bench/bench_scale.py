@@ -115,7 +115,7 @@ def baseline_update(learner, batch, loss_fn, num_tokens):
 
 def synthetic_groups(prompts: int, n: int, max_response: int, vocab: int, seed: int = 0):
     """Completions with a wide length spread (log-normal, capped), random tokens and logprobs."""
-    from m2po_cli.rollout.completion import Completion
+    from m2po_cli.rollout.types import Completion
 
     g = torch.Generator().manual_seed(seed)
     prompt_ids, groups = [], []

@@ -61,7 +61,7 @@ def test_colocated_settings_match_their_comments(path: Path):
         recipe.train.mini_batch_prompts,
         recipe.updates_per_step,
     )
-    fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "mode"))
+    fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "s"))
     assert tuple(map(int, fifo.groups())) == (
         recipe.staleness.s,
         recipe.updates_per_step,

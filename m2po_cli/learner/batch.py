@@ -5,9 +5,15 @@ Shapes: `[B, L]` rows, prompt then response; `mask_BL` marks the response tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+from m2po_cli.learner import shared_prompts
+
+if TYPE_CHECKING:
+    from m2po_cli.config import TrainConfig
 
 
 @dataclass
@@ -89,3 +95,23 @@ IDLE = Batch(
     torch.zeros(1),
     torch.tensor([2]),
 )
+
+
+def plan_micro_batches(batch: Batch, t: TrainConfig) -> tuple[Batch, list[torch.Tensor]]:
+    """This rank's micro-batches as row indices into the returned batch. Rows that share their
+    prompt (`train.share_prompts`; `auto`: where `shared_prompts.worth_sharing`) go to one
+    micro-batch and keep `prompt_lengths_B`; otherwise it is dropped."""
+    groups = None
+    if batch.prompt_lengths_B is not None and t.share_prompts != "off" and batch.num_rows:
+        groups = shared_prompts.prompt_groups(batch.tokens_BL, batch.prompt_lengths_B)
+        if t.share_prompts == "auto" and not shared_prompts.worth_sharing(
+            batch.lengths_B, batch.prompt_lengths_B, groups
+        ):
+            groups = None
+    if groups is None:
+        batch = replace(batch, prompt_lengths_B=None)
+        parts = micro_batches(batch.lengths_B, t.micro_batch_sequences, t.micro_batch_tokens)
+    else:
+        lengths_G = shared_prompts.packed_lengths(batch.lengths_B, batch.prompt_lengths_B, groups)
+        parts = micro_batches(lengths_G, t.micro_batch_sequences, t.micro_batch_tokens, groups)
+    return batch, parts

@@ -34,9 +34,9 @@ from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce, init_distributed
 from m2po_cli.hf_weights import HFWeights
-from m2po_cli.learner import shared_prompts
-from m2po_cli.learner.batch import IDLE, Batch, micro_batches
-from m2po_cli.learner.logprobs import install_head, score_request, scored_positions
+from m2po_cli.learner.batch import IDLE, Batch, plan_micro_batches
+from m2po_cli.learner.forward import forward_logprobs
+from m2po_cli.learner.logprobs import install_head
 from m2po_cli.learner.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.learner.parallelize import data_parallel_mesh, parallelize
 from m2po_cli.loss import PolicyLoss, ratio_quantiles
@@ -108,52 +108,15 @@ class Learner:
     def forward_logprobs(
         self, batch: Batch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[B, L]` logprobs (with grad if enabled) and entropies of the response tokens; 0 elsewhere.
-
-        Rows with `prompt_lengths_B` run packed, each prompt once (`shared_prompts`)."""
-        tokens_BL, mask_BL = batch.tokens_BL.to(self.device), batch.mask_BL.to(self.device)
+        """`[B, L]` logprobs (with grad if enabled) and entropies of the response tokens; 0 elsewhere."""
         temperature = self.recipe.rollout.temperature
-        if batch.prompt_lengths_B is None:
-            request = score_request(tokens_BL, mask_BL, temperature, with_entropy)
-            inputs: tuple = (tokens_BL,)
-        else:
-            packed = shared_prompts.pack(batch.tokens_BL, batch.lengths_B, batch.prompt_lengths_B)
-            request = packed.score_request(batch.tokens_BL, batch.mask_BL, temperature, with_entropy)
-            request.source_N = request.source_N.to(self.device)
-            request.targets_N = request.targets_N.to(self.device)
-            inputs = tuple(
-                t.to(self.device) for t in (packed.tokens_GT, packed.positions_GT, packed.allowed_G1TT)
-            )
-        self.head.request = request
-        try:
-            logprobs_N, entropy_N = self.model(*inputs)
-        finally:
-            self.head.request = None
-        scored_BL = scored_positions(mask_BL)  # the request's positions, in its order
-        lp_BL = torch.zeros(mask_BL.shape, device=self.device).masked_scatter(scored_BL, logprobs_N)
-        if entropy_N is None:
-            return lp_BL, None
-        return lp_BL, torch.zeros_like(lp_BL).masked_scatter(scored_BL, entropy_N)
+        return forward_logprobs(self.model, self.head, batch, temperature, self.device, with_entropy)
 
     def micro_batches(self, batch: Batch) -> list[tuple[torch.Tensor, Batch]]:
-        """(row index, rows) of this rank's micro-batches (`micro_batches`), padded with idle ones
-        (no rows, `IDLE`) to the largest count of any rank: FSDP2 gathers weights in every forward,
-        so all ranks run the same number. Rows that share their prompt (`train.share_prompts`) go
-        to one micro-batch and keep `prompt_lengths_B`; otherwise it is dropped."""
-        t = self.recipe.train
-        groups = None
-        if batch.prompt_lengths_B is not None and t.share_prompts != "off" and batch.num_rows:
-            groups = shared_prompts.prompt_groups(batch.tokens_BL, batch.prompt_lengths_B)
-            if t.share_prompts == "auto" and not shared_prompts.worth_sharing(
-                batch.lengths_B, batch.prompt_lengths_B, groups
-            ):
-                groups = None
-        if groups is None:
-            batch = replace(batch, prompt_lengths_B=None)
-            parts = micro_batches(batch.lengths_B, t.micro_batch_sequences, t.micro_batch_tokens)
-        else:
-            lengths_G = shared_prompts.packed_lengths(batch.lengths_B, batch.prompt_lengths_B, groups)
-            parts = micro_batches(lengths_G, t.micro_batch_sequences, t.micro_batch_tokens, groups)
+        """(row index, rows) of this rank's micro-batches (`plan_micro_batches`), padded with idle
+        ones (no rows, `IDLE`) to the largest count of any rank: FSDP2 gathers weights in every
+        forward, so all ranks run the same number."""
+        batch, parts = plan_micro_batches(batch, self.recipe.train)
         count = torch.tensor([len(parts)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         idle = [(torch.zeros(0, dtype=torch.long), IDLE)] * (int(count) - len(parts))

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from m2po_cli.config import EngineTable, RolloutConfig
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
+from m2po_cli.rollout.types import Completion
 from m2po_cli.torchrun import launch
 
 if TYPE_CHECKING:

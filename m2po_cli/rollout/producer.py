@@ -34,13 +34,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import aiohttp
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.server import (
     EXIT_GRACE_S,
     GENERATE,
@@ -53,25 +52,7 @@ from m2po_cli.rollout.server import (
     swap_weights,
 )
 from m2po_cli.rollout.settings import request_seed
-
-
-class Ticket(NamedTuple):
-    epoch: int  # the data epoch the prompt was drawn in
-    prompt: Prompt
-
-
-class Request(NamedTuple):
-    key: int
-    ticket: Ticket
-    version: int  # the engine's weight version at submission
-    url: str  # the server it goes to
-
-
-class Finished(NamedTuple):
-    ticket: Ticket
-    version: int  # the engine's weight version at submission
-    completions: list[Completion]  # its n completions
-
+from m2po_cli.rollout.types import Completion, Finished, Request, Ticket
 
 Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each
 MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops

@@ -23,9 +23,9 @@ import psutil
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.errors import UserError
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.launch import SERVED_NAME, spawn, stop_tree
 from m2po_cli.rollout.settings import WORKER_EXTENSION, is_finished, rollout_sampling
+from m2po_cli.rollout.types import Completion
 
 EXIT_GRACE_S = 5.0  # how long a dropped connection waits for a started server's process to end
 

@@ -27,7 +27,7 @@ from torch import Tensor
 from m2po_cli.advantages import grpo_advantages
 from m2po_cli.distributed import gather, transfer_device
 from m2po_cli.learner.batch import Batch
-from m2po_cli.rollout.completion import Completion
+from m2po_cli.rollout.types import Completion
 
 
 @dataclass

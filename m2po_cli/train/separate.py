@@ -26,9 +26,10 @@ from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.producer import Finished, Group, RolloutProducer, Ticket
+from m2po_cli.rollout.producer import Group, RolloutProducer
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
+from m2po_cli.rollout.types import Finished, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog, forget_steps_from

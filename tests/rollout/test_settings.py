@@ -19,7 +19,7 @@ from m2po_cli.rollout.settings import (
     rollout_sampling,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_flags_spell_every_argument_the_way_vllm_serve_reads_it():

@@ -20,7 +20,7 @@ from m2po_cli.eval.evaluate import plan_target, slug
 from m2po_cli.eval.targets import resolve_targets
 from m2po_cli.models import resolve_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
 needs_data = pytest.mark.skipif(not BENCHMARKS.is_dir(), reason=f"no benchmark files in {BENCHMARKS}")
 # One cheap benchmark, one problem, one sample: a target whose samples are all cached never starts vLLM.

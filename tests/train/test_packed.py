@@ -11,7 +11,7 @@ from m2po_cli.learner.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout.completion import Completion
+from m2po_cli.rollout.types import Completion
 from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, engine_share, mismatch_sample
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups

@@ -29,7 +29,7 @@ from m2po_cli.tomlconf import to_toml
 from tests.conftest import recipe_for
 from tests.tolerances import forward_atol
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT.parent / "shared" / "benchmarks"
 COUNTS = {
     "aime24": 30,

@@ -1,6 +1,6 @@
-"""Run by tests/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
+"""Run by tests/learner/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
 
-    python tests/dist_learner_worker.py OUT [KEY=VALUE ...]   (recipe overrides, e.g. HSDP degrees)
+    python tests/workers/dist_learner_worker.py OUT [KEY=VALUE ...]   (recipe overrides, e.g. HSDP degrees)
 
 Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
 writes its gathered HF state dict, its metrics, the gradient of each update (HF names) and its rows'
@@ -19,12 +19,12 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.completion import Completion
+from m2po_cli.rollout.types import Completion
 from m2po_cli.train.colocated import score_at_behaviour_version
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
 OVERRIDES = [
     "rollout.prompts_per_step=4",
     # One update a step, on-policy but for the noise added below: every M2PO mask is then decided by

@@ -13,7 +13,7 @@ from m2po_cli.learner.batch import micro_batches
 from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from tests.conftest import recipe_for
-from tests.test_packed import random_pack
+from tests.train.test_packed import random_pack
 
 
 def test_each_packed_token_sees_exactly_its_rows_prefix():

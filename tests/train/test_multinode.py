@@ -23,9 +23,9 @@ from m2po_cli.rollout.settings import cpu_threads
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "recipes" / "quickstart.toml"
-STAND_INS = Path(__file__).with_name("slurm")
+STAND_INS = Path(__file__).resolve().parents[1] / "slurm"
 SETS = [
     "rollout.prompts_per_step=8",
     "staleness.s=2",  # two batches in each rank's FIFO: a resume must re-read them all

@@ -1,4 +1,4 @@
-"""Run by tests/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
+"""Run by tests/rollout/test_engine_per_rank.py under torchrun: every rank's own engine, pushes, probes.
 
 Each rank builds its in-process engine (`external_launcher`). First the train loop's own rollout
 step (`train.colocated.rollout`, with a grader on each rank) samples one batch: the record keeps the prompts
@@ -28,16 +28,16 @@ from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.rollout.types import Completion
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.updates import rows_per_update, train_on
 from tests.probes import require_version
-from tests.test_weight_sync import logprob_gap, no_record
+from tests.rollout.test_weight_sync import logprob_gap, no_record
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
 
 

@@ -26,7 +26,7 @@ from m2po_cli.loss_config import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTR
 from m2po_cli.record import Recorder, Sample, load_records, step_path
 from m2po_cli.train.runlog import RunLog
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = [
     "rollout.prompts_per_step=16",
     "rollout.n=4",

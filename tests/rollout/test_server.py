@@ -16,7 +16,6 @@ from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import (
     GENERATE,
@@ -28,11 +27,12 @@ from m2po_cli.rollout.server import (
     token_versions,
 )
 from m2po_cli.rollout.transport import ShmWeightTransport
+from m2po_cli.rollout.types import Completion
 from m2po_cli.train.packed import pack_groups
 from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
 from tests.probes import server_prompt_logprobs
-from tests.test_weight_sync import logprob_gap, sampled_batch
+from tests.rollout.test_weight_sync import logprob_gap, sampled_batch
 
 pytestmark = pytest.mark.slow
 

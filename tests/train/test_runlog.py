@@ -31,7 +31,7 @@ def test_samples_are_the_trained_rows_as_text_and_a_resume_drops_the_redone_ones
     import torch
 
     from m2po_cli.builtin_models import char_tokenizer as builtin_tokenizer
-    from m2po_cli.rollout.completion import Completion
+    from m2po_cli.rollout.types import Completion
     from m2po_cli.train.loop import batch_samples
     from m2po_cli.train.packed import pack_groups
     from m2po_cli.train.runlog import RunLog

@@ -15,9 +15,9 @@ import pytest
 
 from m2po_cli.config import DataConfig, RolloutConfig, SyntheticConfig
 from m2po_cli.data import PromptBatches, load_problems
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineError, EngineServer
+from m2po_cli.rollout.types import Completion
 
 PER_UPDATE = 2  # prompts per optimizer update (B)
 

@@ -16,7 +16,7 @@ from m2po_cli.rollout.nccl import learner_source, rank_offsets
 from m2po_cli.rollout.transport import resolve_transport
 from tests.conftest import recipe_for
 
-SEPARATE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-separate.toml"
+SEPARATE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
 
 
 def test_each_server_gets_the_ranks_after_the_previous_ones():
@@ -66,8 +66,8 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
     from m2po_cli.rollout.server import EngineServer, swap_weights
     from m2po_cli.train.updates import train_on
     from tests.conftest import no_record
-    from tests.test_server import HTTPEngine, probe
-    from tests.test_weight_sync import logprob_gap, sampled_batch
+    from tests.rollout.test_server import HTTPEngine, probe
+    from tests.rollout.test_weight_sync import logprob_gap, sampled_batch
 
     model = "builtin:tiny-qwen3"
     recipe = recipe_for(

@@ -25,9 +25,9 @@ from m2po_cli.rollout.engine import WAKE_ORDER, VLLMEngine
 from m2po_cli.rollout.nccl import FanOutClient, learner_source, trainer_init_info
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.settings import request_seed, rollout_sampling
-from tests.test_settings import rollout_engine_args
+from tests.rollout.test_settings import rollout_engine_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bind(owner: type, name: str, *args, **kwargs) -> None:

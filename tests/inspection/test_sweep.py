@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "scripts" / "sweep.py"
 SHORT = ["run.steps=2", "rollout.prompts_per_step=8", "rollout.n=4", "inspect.every=0",
          "checkpoint.export_hf=false", 'logging.console="plain"']  # fmt: skip

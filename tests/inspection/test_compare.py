@@ -23,7 +23,7 @@ from m2po_cli.inspection.report import print_whole
 from m2po_cli.tomlconf import to_toml
 from tests.conftest import QUICKSTART
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARMS = {
     "m2po": ['loss={type="m2po", tau=0.04}', "staleness.s=8"],
     "grpo": ['loss={type="grpo"}', "staleness.s=8"],

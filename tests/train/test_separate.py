@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-separate.toml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
 NUM_PROBLEMS, PER_STEP, STEPS, MAX_STALENESS = 48, 8, 10, 2
 
 

@@ -18,12 +18,12 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import toward_advantage
 from m2po_cli.models import resolve_model
 from tests.conftest import recipe_for
-from tests.dist_learner_worker import OVERRIDES as WORKER_OVERRIDES
-from tests.dist_learner_worker import QUICKSTART as WORKER_RECIPE
 from tests.tolerances import adam_weight_bounds, forward_atol, max_gap, within
+from tests.workers.dist_learner_worker import OVERRIDES as WORKER_OVERRIDES
+from tests.workers.dist_learner_worker import QUICKSTART as WORKER_RECIPE
 
-WORKER = Path(__file__).with_name("dist_learner_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_learner_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_worker(out: Path, nproc: int, *overrides: str) -> None:
@@ -128,7 +128,7 @@ def test_hf_export_reloads_in_transformers(tmp_path):
     )
 
 
-UPDATE_WORKER = Path(__file__).with_name("dist_update_worker.py")
+UPDATE_WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_update_worker.py"
 
 
 def run_update_worker(out: Path, nproc: int, *overrides: str) -> list[dict]:
@@ -150,7 +150,7 @@ def run_update_worker(out: Path, nproc: int, *overrides: str) -> list[dict]:
 
 
 def update_recipe():
-    from tests.dist_update_worker import OVERRIDES, QUICKSTART
+    from tests.workers.dist_update_worker import OVERRIDES, QUICKSTART
 
     return load_recipe(QUICKSTART, OVERRIDES)
 
@@ -162,7 +162,7 @@ def test_update_worker_forces_every_path():
 
     Margins: the provisional threshold is >= 1e-3 from every z; the exact stopping point has its
     kept and masked neighbours >= 1e-3 apart and mean M2 >= 2% of tau on either side of tau."""
-    from tests.dist_update_worker import CASES, update_noise, whole_batch
+    from tests.workers.dist_update_worker import CASES, update_noise, whole_batch
 
     tau = update_recipe().loss.tau
     batch = whole_batch(vocab=64)
@@ -337,7 +337,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
     from m2po_cli.train.colocated import score_at_behaviour_version
     from m2po_cli.train.updates import train_on
     from tests.conftest import no_record
-    from tests.dist_learner_worker import applied_gradients, fixed_batch
+    from tests.workers.dist_learner_worker import applied_gradients, fixed_batch
 
     recipe = recipe_for(
         tmp_path,

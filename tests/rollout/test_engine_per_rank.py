@@ -16,8 +16,8 @@ from m2po_cli.models import resolve_model
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.train.packed import owners
 
-WORKER = Path(__file__).with_name("dist_engine_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_engine_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_worker(out: Path, tp: int) -> list[dict]:

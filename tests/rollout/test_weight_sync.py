@@ -14,9 +14,9 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.completion import Completion
 from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.rollout.types import Completion
 from m2po_cli.train.packed import PackedRollouts, pack_groups
 from m2po_cli.train.updates import train_on
 from tests.conftest import recipe_for
