@@ -76,7 +76,7 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     from m2po_cli.data import PromptBatches, load_problems
     from m2po_cli.device import resolve_dtype, torch_dtype
     from m2po_cli.grader import Grader, grader_workers
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.models import load_tokenizer, resolve_model
     from m2po_cli.record import Recorder

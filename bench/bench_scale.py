@@ -115,7 +115,7 @@ def baseline_update(learner, batch, loss_fn, num_tokens):
 
 def synthetic_groups(prompts: int, n: int, max_response: int, vocab: int, seed: int = 0):
     """Completions with a wide length spread (log-normal, capped), random tokens and logprobs."""
-    from m2po_cli.rollout.engine import Completion
+    from m2po_cli.rollout.types import Completion
 
     g = torch.Generator().manual_seed(seed)
     prompt_ids, groups = [], []
@@ -252,7 +252,7 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 
 def passes_and_timing(report, args) -> None:
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.loss_config import GRPOLoss, M2POLoss
     from m2po_cli.models import resolve_model
@@ -362,7 +362,7 @@ def passes_and_timing(report, args) -> None:
         "x",
     )
 
-    from m2po_cli.batch import micro_batches, padding_overhead
+    from m2po_cli.learner.batch import micro_batches, padding_overhead
 
     old_parts = [
         torch.arange(s, min(s + args.micro, len(batch.lengths_B)))
@@ -388,9 +388,9 @@ def correction_at_paper_size(report, noise: float) -> None:
     with a changed token, up to its last one). So m2po / grpo = 4/3 before and 1 + f after, taken
     at the slowest rank (collectives wait for it); `auto` falls back to `score_first` when f > 1/3.
     """
+    from m2po_cli.learner.mask_correction import correction_rows, provisional_keep
     from m2po_cli.loss import build_loss
     from m2po_cli.loss_config import M2POLoss
-    from m2po_cli.mask_correction import correction_rows, provisional_keep
 
     p, loss_fn = PAPER, build_loss(M2POLoss())
     rows = p["prompts"] * p["n"] // p["updates"]
@@ -428,7 +428,7 @@ def correction_at_paper_size(report, noise: float) -> None:
 
 
 def padding_at_paper_size(report) -> None:
-    from m2po_cli.batch import micro_batches, padding_overhead
+    from m2po_cli.learner.batch import micro_batches, padding_overhead
 
     p = PAPER
     _, groups, _ = synthetic_groups(p["prompts"], p["n"], p["max_response"], 1000, seed=2)
@@ -467,7 +467,7 @@ def peak_logprob_memory(report) -> None:
         peaks["chunked"] / 2**20,
         "MiB",
     )
-    from m2po_cli.logprobs import CHUNK_LOGITS
+    from m2po_cli.learner.logprobs import CHUNK_LOGITS
 
     # 8B: 8 sequences of 2,710 tokens, V = 151,936. The baseline's peak scales with B x L x V (factor
     # measured above, relative to fp32 logits); the chunked one with the chunk alone.
@@ -483,7 +483,7 @@ def peak_logprob_memory(report) -> None:
 
 
 def measure_peak(which: str, b: int, length: int, vocab: int, dim: int) -> int:
-    from m2po_cli.logprobs import ScoreRequest, chunked_logprobs
+    from m2po_cli.learner.logprobs import ScoreRequest, chunked_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(b, length, dim, generator=g, requires_grad=True)

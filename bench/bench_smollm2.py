@@ -24,7 +24,7 @@ cheaper) and a 4-row sample at the behaviour version; about 2-2.4 TFLOP a step, 
 CPU (~50-100 GFLOP/s in fp32) spends most of a step in the learner. Generation is ~500 tokens a step; one 0.54 GB fp32
 weight push. The prompt is ~75% of the rows' tokens; the learner computes it once per group
 (`train.share_prompts`, on here by `auto`), ~850 tokens a pass instead of ~2.8k padded ones. At the
-8B recipe's sizes `auto` leaves rows unpacked (`m2po_cli/shared_prompts.py`).
+8B recipe's sizes `auto` leaves rows unpacked (`m2po_cli/learner/shared_prompts.py`).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ import torch
 from local_model import CPU_BENCH, write_qwen3
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.rollout.engine import VLLMEngine
 
 MAX_RATIO = 3.0
@@ -144,7 +144,8 @@ def main() -> int:
             timers = phases(learner, engine)
             runs = [{name: fn() for name, fn in timers.items()} for _ in range(args.repeats)]
             engine.push_weights(learner.hf_weights(engine.dtype), 10**6)  # the last load is the push's
-            engine.require_version(10**6)
+            held = engine.llm.collective_rpc("m2po_version")
+            assert held == [10**6] * len(held), f"the engine holds weight versions {held} after the last push"
         finally:
             engine.close()
     gb = num_bytes / 1e9

@@ -13,7 +13,7 @@ On a GPU it builds a Qwen3 locally (random weights, no hub) with Qwen3-8B's shap
    recipe whose wakes would not fit stops here, before any engine starts;
 2. generation tokens/s of one fresh engine alone, with CUDA graphs (eager on the CPU);
 3. with 2 or more GPUs: the same run under `torchrun --nproc-per-node 2`, and the separate-mode
-   NCCL weight-transport test (`tests/test_transport.py`).
+   NCCL weight-transport test (`tests/rollout/test_transport.py`).
 Where vLLM is not installed (or with `--learner-only`) it runs the learner alone instead of 1-3: three
 M2PO updates of the recipe's learner on one synthetic batch of the same sizes, trained at versions 0,
 1 and 2 (staleness 0 to 2), with the learner's tokens/s, MFU and peak device memory.
@@ -288,7 +288,7 @@ def report_generation(check: Check, model_dir: Path, size: dict) -> None:
 
 
 def report_transport(check: Check) -> None:
-    """The separate-mode NCCL transport test (`tests/test_transport.py`), which needs pytest (the
+    """The separate-mode NCCL transport test (`tests/rollout/test_transport.py`), which needs pytest (the
     `--dev` install); without it the row says how to get it."""
     if importlib.util.find_spec("pytest") is None:
         check.not_applicable.append(
@@ -301,7 +301,7 @@ def report_transport(check: Check) -> None:
             "-m",
             "pytest",
             "-q",
-            "tests/test_transport.py",
+            "tests/rollout/test_transport.py",
             "-k",
             "nccl_sync_makes_server_match_learner",
         ],
@@ -321,10 +321,10 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     rewards that vary within every group; the batch is scored at version 0 and trained at versions
     0, 1 and 2. Each update's metrics, and the peak device memory (GPU)."""
     from m2po_cli.config import InspectConfig, load_recipe
-    from m2po_cli.learner import Learner
+    from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.record import Recorder
-    from m2po_cli.rollout.engine import Completion
+    from m2po_cli.rollout.types import Completion
     from m2po_cli.train.colocated import score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
     from m2po_cli.train.updates import train_on

@@ -28,7 +28,7 @@ import torch
 from local_model import QWEN3_8B, Qwen3Shape, write_qwen3_config
 
 from m2po_cli.config import Recipe, load_recipe
-from m2po_cli.logprobs import chunk_size
+from m2po_cli.learner.logprobs import chunk_size
 from m2po_cli.titan import load_arch
 
 ROOT = Path(__file__).resolve().parents[1]

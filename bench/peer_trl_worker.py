@@ -24,7 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from m2po_cli.grader import grade  # noqa: E402  (stdlib and math-verify only)
+from m2po_cli.answers import grade  # noqa: E402  (stdlib and math-verify only)
 
 
 def reward(completions, answer, **_):

@@ -31,6 +31,9 @@ STEP_PREFIX = "step-"
 DONE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 LOOP = "loop.pt"
+# The loop state's format: 2 names the rollout mode (`mode`); 1 did not, and told it by whether it
+# carried prompts in flight (separate mode did). `read_loop` reads both as 2.
+FORMAT = 2
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -148,7 +151,12 @@ def save(
             rank_files(path)
         dcp.save(learner.state_dict(), checkpoint_id=str(path))  # returns once every rank's shard is written
         if dist.get_rank() == 0:
-            state = {**loop_state, "learner": learner.extra_state(), "rng": torch.get_rng_state()}
+            state = {
+                **loop_state,
+                "format": FORMAT,
+                "learner": learner.extra_state(),
+                "rng": torch.get_rng_state(),
+            }
             torch.save(state, path / LOOP)
             _seal(path, step)
             done = complete_steps(path.parent.parent)
@@ -207,17 +215,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def mode_of(loop: dict) -> str:
-    """The rollout mode of the run that saved `loop`; checkpoints that predate the `mode` entry tell
-    it by whether they carry prompts in flight (separate mode does)."""
-    return loop.get("mode", "separate" if "in_flight" in loop else "colocated")
-
-
 def read_loop(path: Path) -> dict:
-    """The loop state saved beside the shards."""
+    """The loop state saved beside the shards, in `FORMAT`."""
     import torch
 
-    return torch.load(path / LOOP, weights_only=True)
+    loop = torch.load(path / LOOP, weights_only=True)
+    if loop.get("format", 1) == 1:
+        loop = {**loop, "format": FORMAT, "mode": "separate" if "in_flight" in loop else "colocated"}
+    return loop
 
 
 def load(path: Path, learner) -> dict:

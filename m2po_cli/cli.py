@@ -10,7 +10,9 @@ from pathlib import Path
 import click
 
 from m2po_cli.config import ConfigError, load_recipe
+from m2po_cli.errors import UserError
 from m2po_cli.tomlconf import to_toml
+from m2po_cli.torchrun import launch
 
 VERBOSE = click.option(
     "-v", "--verbose", is_flag=True, help="Show third-party logs and warnings (vLLM, torch, ...) here too."
@@ -34,7 +36,7 @@ def main() -> None:
 @VERBOSE
 def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool) -> None:
     """Train with a TOML RECIPE (run under torchrun for several processes)."""
-    from m2po_cli.data import DataError, is_hub, load_problems
+    from m2po_cli.data import is_hub, load_problems
 
     try:
         notes: list[str] = []
@@ -44,26 +46,23 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
         columns = bool(resolved.reward.function)  # a reward function reads the rows' other fields
         problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data, columns)
-    except (ConfigError, DataError) as e:
+    except UserError as e:
         _fail(str(e))
     if dry_run:
         click.echo(to_toml(resolved), nl=False)
         return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    problem = resolved.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    shape = launch()
+    problem = resolved.launch_problem(shape.world, shape.local_world)
     if problem:  # before anything starts; a dry run does not know the launch
         _fail(f"{recipe}: {problem}")
     _route_third_party(resolved.run_dir, verbose)
     idle_threads_sleep()
     _exit_on_sigterm()
-    from m2po_cli.errors import RunError
-    from m2po_cli.models import ModelError
-    from m2po_cli.rollout.server import EngineError
     from m2po_cli.train.loop import train as run_training
 
     try:
         run_training(resolved, problems)
-    except (DataError, ModelError, EngineError, RunError) as e:
+    except UserError as e:
         _fail(str(e))
 
 
@@ -81,14 +80,14 @@ def serve(recipe: str, overrides: tuple[str, ...], host: str, port: int) -> None
     lengths and engine keys, the routes and worker extension the run needs. Job scripts start one
     per engine node (scripts/slurm/separate.sbatch)."""
     from m2po_cli.device import resolve_dtype
-    from m2po_cli.models import ModelError, check_model_dir, resolve_model
-    from m2po_cli.rollout.server import serve_command, server_env
+    from m2po_cli.models import check_model_dir, resolve_model
+    from m2po_cli.rollout.launch import serve_command, server_env
 
     try:
         resolved = load_recipe(recipe, list(overrides))
         model_dir = resolve_model(resolved.model.path)
         check_model_dir(model_dir)
-    except (ConfigError, ModelError) as e:
+    except UserError as e:
         _fail(str(e))
     cfg = resolved.rollout
     cmd = serve_command(
@@ -139,10 +138,9 @@ def eval_(
     """
     from rich.console import Console
 
-    from m2po_cli.data import DataError
     from m2po_cli.eval.config import load_benchmarks, load_eval_config
     from m2po_cli.eval.data import benchmark_dir, load_problems
-    from m2po_cli.eval.targets import TargetError, resolve_targets
+    from m2po_cli.eval.targets import resolve_targets
 
     try:
         cfg = load_eval_config(protocol, list(overrides))
@@ -152,7 +150,7 @@ def eval_(
         out_dir = _writable_dir(Path(out))
         folder, origin = benchmark_dir(data_dir, cfg.data.dir)
         problems = {spec.name: load_problems(spec, folder, origin) for spec in specs}
-    except (ConfigError, DataError, TargetError) as e:
+    except UserError as e:
         _fail(str(e))
     _route_third_party(out_dir, verbose)
     idle_threads_sleep()
@@ -195,7 +193,7 @@ def _route_third_party(folder: Path, verbose: bool) -> None:
 
     log_path = folder / console.LOG_NAME
     console.route_third_party(log_path, verbose)
-    if os.environ.get("RANK", "0") == "0":
+    if launch().rank == 0:
         console.announce(log_path)
     console.adopt_transformers(verbose)
 
@@ -216,11 +214,10 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
     RUN_DIR defaults to the newest run under ./runs.
     """
     from m2po_cli.inspection.command import ratios as run_ratios
-    from m2po_cli.record import RecordError
 
     try:
         run_ratios(run_dir, steps, as_json, plot_dir)
-    except RecordError as e:
+    except UserError as e:
         _fail(str(e))
 
 
@@ -233,11 +230,11 @@ def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> N
 
     Reads each RUN_DIR's metrics.jsonl and config.toml (never starts vLLM or builds a model).
     """
-    from m2po_cli.inspection.compare import CompareError, command
+    from m2po_cli.inspection.compare import command
 
     try:
         command(run_dirs, as_json, plot_dir)
-    except CompareError as e:
+    except UserError as e:
         _fail(str(e))
 
 

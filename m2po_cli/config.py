@@ -139,12 +139,33 @@ class DataConfig(Table):
         return self
 
 
-class RolloutConfig(Table):
+class EngineTable(Table):
+    """One vLLM engine's keys, shared by a recipe's `[rollout]` and an eval's `[engine]`;
+    `rollout.settings.engine_args` turns them into vLLM's arguments."""
+
+    tensor_parallel_size: int = field(
+        1,
+        "GPUs per engine (tensor parallel). Colocated rollouts: ranks that share one engine, each group "
+        "generating its own share; separate mode: GPUs per started engine.",
+        ge=1,
+    )
+    cuda_graphs: bool = field(
+        True,
+        "GPU: capture CUDA graphs for decoding (slower start, faster generation; their memory counts in "
+        "gpu_memory_utilization). The CPU runs eager.",
+    )
+    kv_cache_gib: float = field(1.0, "KV cache size per engine on CPU, in GiB.", gt=0)
+    gpu_memory_utilization: float = field(
+        0.5, "Fraction of GPU memory the engine may take (GPU only; the learner shares it).", gt=0, lt=1
+    )
+
+
+class RolloutConfig(EngineTable):
     engine: Literal["vllm"] = field("vllm", "Rollout engine.")
     mode: Literal["colocated", "separate"] = field(
         "colocated",
         "colocated: the engine shares the learner's devices and the two alternate; separate: engines in "
-        "their own processes keep generating while the learner trains (needs staleness.mode = bounded).",
+        "their own processes keep generating while the learner trains, with staleness bounded by staleness.max_staleness.",
     )
     servers: list[str] = field(
         [], "Separate mode: URLs of `vllm serve` instances already running; empty starts num_engines here."
@@ -191,21 +212,6 @@ class RolloutConfig(Table):
     temperature: float = field(1.0, "Sampling temperature; logprobs are taken at this temperature.", gt=0)
     top_p: float = field(
         1.0, "Nucleus sampling; must stay 1.0 for training, or the importance ratio is biased.", gt=0, le=1
-    )
-    kv_cache_gib: float = field(1.0, "KV cache size per engine on CPU, in GiB.", gt=0)
-    gpu_memory_utilization: float = field(
-        0.5, "Fraction of GPU memory the engine may take (GPU only).", gt=0, lt=1
-    )
-    cuda_graphs: bool = field(
-        True,
-        "GPU: capture CUDA graphs for decoding (slower start, faster generation; their memory counts in "
-        "gpu_memory_utilization). The CPU runs eager.",
-    )
-    tensor_parallel_size: int = field(
-        1,
-        "Ranks that share one engine (tensor parallel); each group of them generates its own share. "
-        "Separate mode: GPUs per started engine.",
-        ge=1,
     )
     sleep_level: Literal[0, 1, 2] = field(
         2,
@@ -376,13 +382,22 @@ class OptimConfig(Table):
 
 
 class StalenessConfig(Table):
-    mode: Literal["fixed", "bounded"] = field(
-        "fixed",
-        "fixed: every batch is trained exactly s updates after the policy that generated it; bounded "
-        "(separate rollouts): no sample is trained more than max_staleness updates after its policy.",
-    )
-    s: int = field(0, "Fixed mode: staleness in optimizer updates; 0 is on-policy.", ge=0)
-    max_staleness: int = field(4, "Bounded mode: largest staleness, in optimizer updates.", ge=0)
+    """How stale the trained rollouts are, by the rollout mode: colocated, every batch is trained
+    exactly `s` updates after the policy that generated it (fixed); separate, no sample is trained
+    more than `max_staleness` updates after its policy (bounded)."""
+
+    s: int = field(0, "Colocated rollouts: staleness in optimizer updates; 0 is on-policy.", ge=0)
+    max_staleness: int = field(4, "Separate rollouts: largest staleness, in optimizer updates.", ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "mode" in data:
+            raise ValueError(
+                "mode: follows rollout.mode (fixed at s when colocated, bounded by max_staleness when "
+                "separate); remove the line"
+            )
+        return data
 
 
 class CheckpointConfig(Table):
@@ -469,13 +484,7 @@ class Recipe(Table):
         return self
 
     def _check_separate(self) -> None:
-        separate, bounded = self.rollout.mode == "separate", self.staleness.mode == "bounded"
-        if separate != bounded:
-            raise ValueError(
-                "staleness.mode: bounded staleness goes with rollout.mode = separate, fixed with colocated "
-                f"(got {self.staleness.mode} with {self.rollout.mode})"
-            )
-        if not separate:
+        if not self.bounded_staleness:
             return
         if self.rollout.request_timeout_s >= 60 * self.run.collective_timeout_minutes:
             raise ValueError(
@@ -522,7 +531,7 @@ class Recipe(Table):
     def staleness_bound(self) -> int:
         """The most updates a row's policy can be behind the update that trains it: s plus the
         batch's later mini-batch updates (fixed mode), or max_staleness (bounded mode)."""
-        if self.staleness.mode == "bounded":
+        if self.bounded_staleness:
             return self.staleness.max_staleness
         return self.staleness.s + self.updates_per_step - 1
 
@@ -530,6 +539,11 @@ class Recipe(Table):
     def run_dir(self) -> Path:
         """The run's directory: `run.output_dir / run.name`."""
         return Path(self.run.output_dir) / self.run.name
+
+    @property
+    def bounded_staleness(self) -> bool:
+        """Separate rollouts bound staleness by `max_staleness`; colocated ones fix it at `s`."""
+        return self.rollout.mode == "separate"
 
     @property
     def queue_batches(self) -> int:

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m2po_cli.config import DataConfig, SyntheticConfig
+from m2po_cli.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A user-fixable problem with the prompt set (one line, naming the file, record and field)."""
 
 

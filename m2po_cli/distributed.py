@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from m2po_cli.torchrun import launch
+
 
 def backend_spec(on_gpu: bool) -> str:
     """The process group's backend for each device type: on a GPU, NCCL for CUDA tensors beside gloo
@@ -32,11 +34,11 @@ def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
     `device:backend,...`; the tests build the GPU's group with gloo in place of NCCL)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    on_gpu = torch.cuda.is_available()
+    on_gpu, shape = torch.cuda.is_available(), launch()
     backend = os.environ.get("M2PO_DIST_BACKEND") or backend_spec(on_gpu)
     if on_gpu:  # before NCCL starts, so each rank's communicator uses its own GPU
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ:
+        torch.cuda.set_device(shape.local_rank)
+    if shape.torchrun:
         dist.init_process_group(backend, timeout=timeout)
     else:
         # A private folder for the store's file, removed at exit (FileStore leaves its file behind).
@@ -62,20 +64,29 @@ def all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
     return x
 
 
-def gather(values_N: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather(
+    values_N: torch.Tensor, group: dist.ProcessGroup | None, via: torch.device | None = None
+) -> torch.Tensor:
     """Every rank's 1-D `values_N` (any lengths) over `group`, concatenated in rank order; identical
-    on all ranks (None: this rank's alone)."""
-    if group is None:
+    on all ranks, on `values_N`'s device (None: this rank's alone). The values travel on `via`
+    (default: where they are), e.g. `transfer_device()` for host values that NCCL should carry."""
+    if group is None or dist.get_world_size(group) == 1:
         return values_N
-    size = torch.tensor([values_N.numel()], device=values_N.device)
+    local = values_N.to(via) if via is not None else values_N
+    size = torch.tensor([local.numel()], device=local.device)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]  # one host sync per optimizer step, not per token
-    padded = values_N.new_zeros(max(max(sizes), 1))
-    padded[: values_N.numel()] = values_N
+    sizes = [int(s) for s in sizes]  # one host sync per call, not per value
+    padded = local.new_zeros(max(max(sizes), 1))
+    padded[: local.numel()] = local
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)]).to(values_N.device)
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The group of every rank, or None when this process is the only one."""
+    return dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
 def all_reduce_group(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:

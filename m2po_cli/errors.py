@@ -1,5 +1,11 @@
-"""Errors of a run that the user can act on; the CLI prints them as one line."""
+"""Errors the user can act on. Each says what is wrong and where in one line; the CLI prints it and
+exits 2. Every one derives from `UserError`, so the CLI catches one base; a module's own error class
+says which part found the problem."""
 
 
-class RunError(Exception):
+class UserError(Exception):
+    """A problem the user can fix (a recipe key, a data file, a model folder, a server, a run folder)."""
+
+
+class RunError(UserError):
     """The run cannot go on as asked (e.g. a checkpoint of the other rollout mode); says what to do."""

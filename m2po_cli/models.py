@@ -40,6 +40,7 @@ from typing import Any
 
 from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, build_portable, spec_dict
 from m2po_cli.config import model_source
+from m2po_cli.errors import UserError
 
 # Bump when a builder's code changes what it writes, so caches built by older code are not reused.
 BUILD_VERSION = 2
@@ -56,7 +57,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("M2PO_CACHE", "~/.cache/m2po")).expanduser()
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """A model path that resolves to nothing usable (one line, naming the path)."""
 
 

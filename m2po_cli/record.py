@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from m2po_cli.config import InspectConfig
+from m2po_cli.errors import UserError
 
 FORMAT = "m2po-inspect-2"
 FORMAT_1 = "m2po-inspect-1"  # staleness per sequence (`staleness_R`): read, each token given its row's
@@ -45,7 +46,7 @@ TOKEN_FIELDS = ("behaviour_logprobs_N", "learner_logprobs_N", "logprobs_N", "ent
 ROW_FIELDS = ("lengths_R", "advantages_R", "update_R", "row_R", "scored_R")
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A run directory whose records cannot be read; the message is one line a user can act on."""
 
 

@@ -16,8 +16,10 @@ from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from m2po_cli.errors import UserError
 
-class ConfigError(Exception):
+
+class ConfigError(UserError):
     """A user-fixable configuration problem: `file: key.path: message`."""
 
     def __init__(self, source: str, key: str, message: str):

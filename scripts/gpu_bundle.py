@@ -62,7 +62,7 @@ IMPORTS = (
     "torchtitan",
     "math_verify",
     "m2po_cli.rollout.engine",
-    "m2po_cli.learner",
+    "m2po_cli.learner.policy",
 )
 
 

@@ -29,6 +29,16 @@ CHAT_TEMPLATE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _environment_per_test():
+    """The CLI sets process-wide variables for the processes it starts (third-party logging, vLLM's
+    options); a test that runs it in-process must not hand them to the tests after it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable ASCII character or newline (others -> <unk>), ChatML-style template."""

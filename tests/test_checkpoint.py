@@ -16,7 +16,7 @@ from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.data import PromptBatches, load_problems
 from m2po_cli.errors import RunError
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.loop import resume
@@ -116,15 +116,19 @@ def test_a_step_without_complete_is_ignored_quietly(tiny, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("saved", ["separate", "legacy separate"])
-def test_a_checkpoint_of_the_other_mode_is_refused_before_anything_loads(tiny, tmp_path, saved):
-    """The mode is recorded in `loop.pt`; a checkpoint from before that record tells it by its
-    prompts in flight. Resuming it in the other mode stops in one line naming both, weights untouched."""
+def test_a_checkpoint_of_the_other_mode_is_refused_before_anything_loads(tiny, tmp_path, saved, monkeypatch):
+    """The mode is recorded in `loop.pt`; a checkpoint of format 1, from before that record, tells it
+    by its prompts in flight. Resuming it in the other mode stops in one line naming both, weights
+    untouched."""
     learner, recipe, prompts = tiny
     run = tmp_path / "tiny"
     loop = {"step": 2, "data": prompts.state_dict(), "in_flight": [], "fresh": []}
     if saved == "separate":
         loop["mode"] = "separate"
+    else:
+        monkeypatch.setattr(checkpoint, "FORMAT", 1)
     checkpoint.save(run, 2, learner, loop, keep=5)
+    monkeypatch.undo()
     before = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
     with torch.no_grad():
         for p in learner.model.parameters():

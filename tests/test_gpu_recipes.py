@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.attention import SDPBackend
 
 from m2po_cli.config import load_recipe
-from m2po_cli.learner import mixed_precision
+from m2po_cli.learner.parallelize import mixed_precision
 from m2po_cli.titan import attention_backends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_colocated_settings_match_their_comments(path: Path):
         recipe.train.mini_batch_prompts,
         recipe.updates_per_step,
     )
-    fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "mode"))
+    fifo = re.search(r"K = (\d+) / (\d+) = (\d+)", comment_above(text, "s"))
     assert tuple(map(int, fifo.groups())) == (
         recipe.staleness.s,
         recipe.updates_per_step,
@@ -101,7 +101,7 @@ def test_collective_timeout_comes_from_the_recipe(tmp_path):
     script = (
         "import torch, torch.distributed as dist\n"
         "from tests.conftest import recipe_for\n"
-        "from m2po_cli.learner import Learner\n"
+        "from m2po_cli.learner.policy import Learner\n"
         "from m2po_cli.models import resolve_model\n"
         "from pathlib import Path\n"
         f"recipe = recipe_for(Path({str(tmp_path)!r}), 'run.collective_timeout_minutes=7.5')\n"

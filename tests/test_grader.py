@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from m2po_cli.grader import Grader, extract_boxed, grade, worker_main
+from m2po_cli.answers import extract_boxed, grade
+from m2po_cli.grader import Grader, worker_main
 
 BENCHMARKS = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
 BENCHMARK_FILES = sorted(BENCHMARKS.glob("*.jsonl"))

@@ -1,6 +1,6 @@
 """The global M2PO mask across data-parallel ranks: 2 processes under torchrun (gloo, CPU).
 
-tests/dist_loss_worker.py does the work on each rank; this test starts it and reads its reports.
+tests/workers/dist_loss_worker.py does the work on each rank; this test starts it and reads its reports.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("dist_loss_worker.py")
+WORKER = Path(__file__).resolve().parent / "workers" / "dist_loss_worker.py"
 
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process_holding_the_whole_batch(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[2])}
     done = subprocess.run(
         [*command, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
     )
@@ -36,8 +36,8 @@ def test_two_ranks_match_one_process_holding_the_whole_batch(tmp_path):
 
     # The tied batch stops inside a run of equal M2 (leaving together would mask more), and both
     # ranks mask what the literal one-at-a-time loop masks.
-    from tests.dist_loss_worker import tied_batch
     from tests.test_loss import algorithm1, values_together
+    from tests.workers.dist_loss_worker import tied_batch
 
     x, a, v = (t.tolist() for t in tied_batch()[:3])
     inside = 0

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from m2po_cli.config import PAPER_PROMPT_TEMPLATE, check_template
+from m2po_cli.config import PAPER_PROMPT_TEMPLATE, EngineTable, check_template
 from m2po_cli.tomlconf import ConfigError, Table, field, load
 
 EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
@@ -54,19 +54,14 @@ class Protocol(Table):
         return self
 
 
-class EngineOptions(Table):
+class EngineOptions(EngineTable):
     """How vLLM runs; not part of the cache key (only `dtype` changes the numerics, slightly)."""
 
     dtype: Literal["auto", "float32", "bfloat16"] = field(
         "auto", "Weights and activations; auto is float32 on CPU, bfloat16 on GPU."
     )
-    kv_cache_gib: float = field(1.0, "KV cache size on CPU, in GiB.", gt=0)
-    gpu_memory_utilization: float = field(0.9, "Fraction of GPU memory vLLM may take (GPU only).", gt=0, lt=1)
-    cuda_graphs: bool = field(
-        True, "Capture CUDA graphs on GPU: slower start, faster generation. CPU runs eager."
-    )
-    tensor_parallel_size: int = field(
-        1, "GPUs per engine (tensor parallelism), for models that need several.", ge=1
+    gpu_memory_utilization: float = field(
+        0.9, "Fraction of GPU memory the engine may take (GPU only; an eval has it to itself).", gt=0, lt=1
     )
 
 

@@ -29,12 +29,13 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from m2po_cli.answers import extract_boxed
 from m2po_cli.data import DataError
 from m2po_cli.eval.config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
 from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, digest
 from m2po_cli.eval.report import markdown_table, rich_table, summarize_benchmark, summarize_target
 from m2po_cli.eval.targets import Target, TargetError, stable_hash
-from m2po_cli.grader import Grader, extract_boxed
+from m2po_cli.grader import Grader
 from m2po_cli.rollout.settings import is_finished
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
@@ -250,14 +251,7 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     from m2po_cli.rollout.engine import build_llm
 
     return build_llm(
-        model_dir,
-        dtype=resolve_dtype(cfg.dtype),
-        max_model_len=max_model_len,
-        in_process=True,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        cuda_graphs=cfg.cuda_graphs,
-        tensor_parallel_size=cfg.tensor_parallel_size,
+        model_dir, cfg, dtype=resolve_dtype(cfg.dtype), max_model_len=max_model_len, in_process=True
     )
 
 

@@ -28,10 +28,11 @@ from typing import Literal
 
 from m2po_cli import checkpoint
 from m2po_cli.config import model_source
+from m2po_cli.errors import UserError
 from m2po_cli.models import ModelError, check_model_dir
 
 
-class TargetError(Exception):
+class TargetError(UserError):
     """A CKPT argument that names nothing evaluable (one line, naming the path)."""
 
 

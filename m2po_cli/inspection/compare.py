@@ -28,6 +28,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from m2po_cli.errors import UserError
+
 # What a run's recipe may differ in and still be a seed of the same arm.
 NOT_THE_ARM = {"run": ("seed", "name", "output_dir"), "logging": None, "checkpoint": None, "inspect": None}
 NUMBERS = (
@@ -38,7 +40,7 @@ BEHAVIOUR = "staleness/behaviour_version"  # the oldest policy version that samp
 NEWEST_REWARD, NEWEST_VERSION = "rollout/newest_reward_mean", "staleness/newest_version"
 
 
-class CompareError(Exception):
+class CompareError(UserError):
     """A run `m2po compare` cannot read or compare; one line."""
 
 
@@ -57,7 +59,7 @@ class Run:
     @property
     def staleness(self) -> str:
         s = self.config.get("staleness", {})
-        if s.get("mode", "fixed") == "bounded" or self.config.get("rollout", {}).get("mode") == "separate":
+        if self.config.get("rollout", {}).get("mode") == "separate":
             return f"<={s.get('max_staleness', 4)}"
         return str(s.get("s", 0))
 

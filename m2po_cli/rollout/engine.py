@@ -11,32 +11,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from m2po_cli.config import RolloutConfig
+from m2po_cli.config import EngineTable, RolloutConfig
 from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
+from m2po_cli.rollout.types import Completion
+from m2po_cli.torchrun import launch
 
 if TYPE_CHECKING:
     from vllm import LLM
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled response: its tokens, their behaviour logprobs, and the decoded text.
-
-    `versions` is the weight version that sampled each token, where it may vary within a response
-    (separate mode: weights change while a request is in flight); None means all tokens share the
-    version of their batch."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finished: bool  # stopped on EOS rather than on the length limit
-    versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):
@@ -53,12 +39,6 @@ class RolloutEngine(Protocol):
 
     def sleep(self) -> None:
         """Release device memory while the learner trains; the next push wakes the engine."""
-
-    def require_version(self, version: int) -> None:
-        """Raise unless the engine holds the weights of learner version `version`."""
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
 
     def close(self) -> None: ...
 
@@ -82,23 +62,19 @@ def device_free_bytes() -> int:
 
 def _cpu_env() -> None:
     # Under torchrun each local rank binds its own share of the cores.
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    for name, value in cpu_threads(local_rank, local_world).items():
+    shape = launch()
+    for name, value in cpu_threads(shape.local_rank, shape.local_world).items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def build_llm(
     model_dir: Path,
+    engine: EngineTable,
     *,
     dtype: str,
     max_model_len: int,
     in_process: bool,
-    kv_cache_gib: float,
-    gpu_memory_utilization: float,
-    cuda_graphs: bool,
-    tensor_parallel_size: int = 1,
     behaviour_logprobs: bool = False,
     **extra: Any,
 ) -> LLM:
@@ -117,12 +93,9 @@ def build_llm(
 
     args = engine_args(
         model_dir,
+        engine,
         dtype=dtype,
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        cuda_graphs=cuda_graphs,
-        kv_cache_gib=kv_cache_gib,
-        gpu_memory_utilization=gpu_memory_utilization,
         on_gpu=on_gpu,
         behaviour_logprobs=behaviour_logprobs,
     )
@@ -164,15 +137,12 @@ class VLLMEngine:
             log("rollout.sleep_level: vLLM has no sleep mode on CPU; the engine stays awake while training")
         self.llm = build_llm(
             model_dir,
+            cfg,
             dtype=dtype,
             max_model_len=max_model_len,
             in_process=True,
-            kv_cache_gib=cfg.kv_cache_gib,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cuda_graphs=cfg.cuda_graphs,
             behaviour_logprobs=True,
             enable_sleep_mode=self.sleep_level > 0,
-            tensor_parallel_size=cfg.tensor_parallel_size,
             **(dict(distributed_executor_backend="external_launcher") if world > 1 else {}),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -222,27 +192,6 @@ class VLLMEngine:
             raise RuntimeError(f"weight push {version}: the engine's workers report versions {stamped}")
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version
-
-    def require_version(self, version: int) -> None:
-        """Raise unless every worker holds the weights of learner version `version`."""
-        held = self.llm.collective_rpc("m2po_version")
-        if held != [version] * len(held):
-            raise RuntimeError(
-                f"the rollout engine holds weight version {held}, the learner is at {version}: "
-                "a weight push was skipped"
-            )
-
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False
-        )
-        return [
-            [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], seq[1:], strict=True)]
-            for out, seq in zip(outputs, sequences, strict=True)
-        ]
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()

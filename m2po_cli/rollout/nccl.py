@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from m2po_cli.rollout.server import EngineError, EngineServer, free_port
+from m2po_cli.rollout.launch import free_port
+from m2po_cli.rollout.server import EngineError, EngineServer
 from m2po_cli.rollout.transport import WeightTransport
 
 PACKED_BUFFER_BYTES = 2**30
@@ -92,7 +93,7 @@ def learner_source(learner, dtype: torch.dtype):
 
     Written to the current contract (vLLM 0.33: `metadata` a `functools.cached_property`, `iter_full`
     the full-tensor pass); `Metadata.__call__` and `__iter__` are how the pinned 0.32 reads the same
-    two channels. tests/test_vllm_contract.py drives it through the installed vLLM's trainer engine."""
+    two channels. tests/rollout/test_vllm_contract.py drives it through the installed vLLM's trainer engine."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     class LearnerSource(WeightSource):

@@ -40,7 +40,6 @@ import aiohttp
 
 from m2po_cli.config import RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
-from m2po_cli.rollout.engine import Completion
 from m2po_cli.rollout.server import (
     EXIT_GRACE_S,
     GENERATE,
@@ -53,10 +52,8 @@ from m2po_cli.rollout.server import (
     swap_weights,
 )
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.rollout.types import Completion, Finished, Request, Ticket
 
-Ticket = tuple[int, Prompt]  # (data epoch, prompt)
-Request = tuple[int, Ticket, int, str]  # (key, prompt, engine version at submission, server URL)
-Finished = tuple[Ticket, int, list[Completion]]  # (prompt, submission version, its n completions)
 Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each
 MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops
 
@@ -189,7 +186,7 @@ class RolloutProducer:
             untrained = (
                 list(self.resubmit)
                 + [(index, ticket) for index, ticket, _ in self.running.values()]
-                + [(index, f[0]) for f, index in self.settling + self.finished]
+                + [(index, f.ticket) for f, index in self.settling + self.finished]
                 + [(g.index, (g.epoch, g.prompt)) for g in self.done.values()]
             )
             in_flight = [ticket for _, ticket in sorted(untrained, key=lambda x: x[0])]
@@ -249,7 +246,7 @@ class RolloutProducer:
                     return None
                 if not self.fresh:
                     batch = next(self.prompts)  # a batch never straddles two epochs
-                    self.fresh.extend((self.prompts.epoch, p) for p in batch)
+                    self.fresh.extend(Ticket(self.prompts.epoch, p) for p in batch)
                 self.resubmit.append((self.admitted, self.fresh.popleft()))
                 self.admitted += 1
             index, ticket = self.resubmit.popleft()
@@ -261,7 +258,7 @@ class RolloutProducer:
             self.running[key] = (index, ticket, url)
             if url:
                 self.load[url] += 1
-            return key, ticket, self.engine_version, url
+            return Request(key, ticket, self.engine_version, url)
 
     async def _main(self) -> None:
         # aiohttp: its C HTTP parser and connection pool cost the learner's host a fraction of what
@@ -290,7 +287,7 @@ class RolloutProducer:
         with self.cond:
             index = self.running[key][0]
         seed = request_seed(self.run_seed, index)  # a resubmitted prompt samples what it would have
-        body = sampling_body(ticket[1].token_ids, self.cfg, seed, self._model_of(url))
+        body = sampling_body(ticket.prompt.token_ids, self.cfg, seed, self._model_of(url))
         try:
             async with http.post(f"{url}{GENERATE}", json=body) as response:
                 text = await response.text()
@@ -359,11 +356,11 @@ class RolloutProducer:
                 )
                 self.cond.notify_all()
                 return
-            self.finished.append(((ticket, version, completions), index))
+            self.finished.append((Finished(ticket, version, completions), index))
             self._num_samples += len(completions)
             self._num_tokens += sum(len(c.token_ids) for c in completions)
             if self.settle is None:
-                self._settled(self.finished, [c for (_, _, c), _ in self.finished])
+                self._settled(self.finished, [f.completions for f, _ in self.finished])
                 self.finished = []
             self.cond.notify_all()
 
@@ -386,5 +383,5 @@ class RolloutProducer:
                 self.cond.notify_all()
 
     def _settled(self, finished: list[tuple[Finished, int]], rows: list[Any]) -> None:
-        for ((ticket, version, _), index), r in zip(finished, rows, strict=True):
-            self.done[index] = Group(ticket[0], ticket[1], r, version, index)
+        for (f, index), r in zip(finished, rows, strict=True):
+            self.done[index] = Group(f.ticket.epoch, f.ticket.prompt, r, f.version, index)

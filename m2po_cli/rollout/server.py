@@ -13,13 +13,7 @@ that group (kill -9 included) takes the engine along; it also gets a parent-deat
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,104 +22,16 @@ import httpx
 import psutil
 
 from m2po_cli.config import RolloutConfig
-from m2po_cli.rollout.engine import Completion
-from m2po_cli.rollout.settings import (
-    WORKER_EXTENSION,
-    cli_flags,
-    cpu_threads,
-    engine_args,
-    is_finished,
-    rollout_sampling,
-)
+from m2po_cli.errors import UserError
+from m2po_cli.rollout.launch import SERVED_NAME, spawn, stop_tree
+from m2po_cli.rollout.settings import WORKER_EXTENSION, is_finished, rollout_sampling
+from m2po_cli.rollout.types import Completion
 
-SERVED_NAME = "policy"
 EXIT_GRACE_S = 5.0  # how long a dropped connection waits for a started server's process to end
-_PR_SET_PDEATHSIG = 1
 
 
-class EngineError(RuntimeError):
+class EngineError(UserError, RuntimeError):
     """The rollout server failed or disagrees with the learner; the message says which and how."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_setup(cores: set[int] | None) -> Callable[[], None]:
-    """What the server's process does between fork and exec: die with the run, and on a CPU keep
-    all of its processes (API server, engine core, workers) on the cores its compute threads are
-    bound to, off the learner's."""
-
-    def setup() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return setup
-
-
-def bound_cores(bind: str) -> set[int]:
-    """The cores of a `VLLM_CPU_OMP_THREADS_BIND` value ("0-3", "0,2", "0-1|2-3"; "all" or "auto": none)."""
-    if bind in ("all", "auto", "nobind", ""):
-        return set()
-    cores: set[int] = set()
-    for part in bind.replace("|", ",").split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
-
-
-def serve_command(
-    model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int, host: str = "127.0.0.1"
-) -> list[str]:
-    """The `vllm serve` command of one engine: the project's engine settings (`settings.engine_args`,
-    as a rollout engine), served on `host` (loopback for the engines a run starts) under one name."""
-    args = engine_args(
-        model_dir,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        cuda_graphs=cfg.cuda_graphs,
-        kv_cache_gib=cfg.kv_cache_gib,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        on_gpu=_on_gpu(),
-        behaviour_logprobs=True,
-    )
-    cmd = [
-        # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that
-        # the CPU build (distributed as vllm-cpu) does not have.
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *cli_flags(args),
-        "--host", host, "--port", str(port),
-        "--served-model-name", SERVED_NAME,
-        "--api-server-count", "1",
-        "--disable-uvicorn-access-log",
-        "--enable-scale-out",  # the token-in/token-out route, with per-token weight versions
-    ]  # fmt: skip
-    if _on_gpu() and cfg.weight_transport != "shm":  # auto or nccl: the learner sends over vLLM's NCCL engine
-        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return cmd
-
-
-def _on_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def server_env(devices: list[int] | None) -> dict[str, str]:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if not _on_gpu():
-        for name, value in cpu_threads(0, 1).items():  # every core: the server is its host's only engine
-            env.setdefault(name, value)
-    # The worker extension is imported inside the server: it must find this package.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 class EngineServer:
@@ -153,18 +59,7 @@ class EngineServer:
         """Start `vllm serve` on a free local port, its output in `log_path`; wait until it answers.
 
         `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
-        port = free_port()
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = server_env(devices)
-        cores = None if _on_gpu() else bound_cores(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                serve_command(model_dir, cfg, dtype, max_model_len, port),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_child_setup(cores),
-            )
+        proc, port = spawn(model_dir, cfg, dtype, max_model_len, log_path, devices)
         server = cls(f"http://127.0.0.1:{port}", proc, log_path)
         try:
             server.wait_ready(cfg.server_start_timeout_s)
@@ -351,16 +246,6 @@ class EngineServer:
                 f"version {version}: another trainer may be updating it; give this run its own server"
             )
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Logprob of each token given its prefix (temperature 1), tokens 1..L-1 of each sequence."""
-        out = []
-        for seq in sequences:
-            body = {"model": self.model_name, "prompt": seq, "max_tokens": 1, "prompt_logprobs": 0,
-                    "temperature": 1.0}  # fmt: skip
-            entries = self.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
-            out.append([entry[str(tok)]["logprob"] for entry, tok in zip(entries[1:], seq[1:], strict=True)])
-        return out
-
     def close(self) -> None:
         """Close the connection; if this run started the server, stop it and every process it
         started, whether or not the server itself is still alive."""
@@ -369,30 +254,6 @@ class EngineServer:
             return
         stop_tree(self.proc.pid, also=self.children)
         self.proc.wait()
-
-
-def stop_tree(pid: int, grace_s: float = 20.0, also: list[psutil.Process] = ()) -> None:
-    """SIGTERM a process, its descendants and the processes `also` (they may have outlived their
-    parent), SIGKILL whatever is left after `grace_s`."""
-    procs = [p for p in also if p.is_running()]  # is_running also rules out a reused pid
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True), *procs]
-    except psutil.NoSuchProcess:
-        pass
-    if not procs:
-        return
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 GENERATE = "/inference/v1/generate"

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from m2po_cli.config import RolloutConfig
+from m2po_cli.config import EngineTable, RolloutConfig
 
 # vLLM imports the worker extension by name in every worker process (`rollout/worker.py`).
 WORKER_EXTENSION = "m2po_cli.rollout.worker.WeightSync"
@@ -23,25 +23,22 @@ CPU_BATCHED_TOKENS = 4096
 
 def engine_args(
     model_dir: Path,
+    engine: EngineTable,
     *,
     dtype: str,
     max_model_len: int,
-    tensor_parallel_size: int,
-    cuda_graphs: bool,
-    kv_cache_gib: float,
-    gpu_memory_utilization: float,
     on_gpu: bool,
     behaviour_logprobs: bool,
 ) -> dict[str, Any]:
-    """The engine arguments of one engine. `behaviour_logprobs`: a rollout engine, whose sampled
-    tokens' logprobs are the behaviour policy's. The KV cache is sized in bytes on the CPU, as a
-    share of the device's memory on a GPU."""
+    """The engine arguments of one engine of `engine`'s keys. `behaviour_logprobs`: a rollout engine,
+    whose sampled tokens' logprobs are the behaviour policy's. The KV cache is sized in bytes on the
+    CPU, as a share of the device's memory on a GPU."""
     args: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=dtype,
         max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=not (on_gpu and cuda_graphs),  # CUDA graphs exist on a GPU only
+        tensor_parallel_size=engine.tensor_parallel_size,
+        enforce_eager=not (on_gpu and engine.cuda_graphs),  # CUDA graphs exist on a GPU only
         seed=0,
         worker_extension_cls=WORKER_EXTENSION,
         enable_prefix_caching=True,
@@ -50,9 +47,9 @@ def engine_args(
         # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
         args["logprobs_mode"] = "processed_logprobs"
     if on_gpu:
-        args["gpu_memory_utilization"] = gpu_memory_utilization
+        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
     else:
-        args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        args["kv_cache_memory_bytes"] = int(engine.kv_cache_gib * 2**30)
         # vLLM's CPU runner rolls a request's generator back after a partial prefill chunk, which a
         # CPU generator cannot do ("CPU Generator does not use offset"): with per-request seeds every
         # prompt is prefilled in one step, within a budget that holds the longest.

@@ -10,7 +10,6 @@ step's last update, which wakes them.
 from __future__ import annotations
 
 import math
-import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,10 +23,11 @@ from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog
@@ -67,7 +67,7 @@ class ColocatedSource:
         try:
             self.grader = None
             if learner.rank % recipe.rollout.tensor_parallel_size == 0:  # grades the rows its engine samples
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) // recipe.rollout.tensor_parallel_size
+                local = launch().local_world // recipe.rollout.tensor_parallel_size
                 workers = grader_workers(max(1, local))
                 self.grader = self._stack.enter_context(recipe_grader(recipe, workers))
             self.engine = build_engine(model_dir, recipe, learner.world, log)

@@ -9,7 +9,6 @@ checkpoint needs to resume without losing or repeating a prompt. Rank 0 writes t
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,10 +22,11 @@ from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
 from m2po_cli.errors import RunError
 from m2po_cli.grader import load_reward
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
+from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.runlog import RunLog
@@ -35,9 +35,27 @@ from m2po_cli.train.updates import rollout_metrics, train_on
 
 
 class RolloutSource(Protocol):
-    """Where a step's rollout batch comes from, and when the engines get the learner's weights."""
+    """Where a step's rollout batch comes from, and when the engines get the learner's weights.
+
+    Built once per run from what the loop holds (`restored`: the checkpoint it resumes from, if
+    any) and used as a context manager: leaving it stops what it started (engines, graders)."""
 
     mode: str
+
+    def __init__(
+        self,
+        model_dir: Path,
+        recipe: Recipe,
+        learner: Learner,
+        prompts: PromptBatches,
+        recorder: Recorder,
+        log: RunLog | None,
+        restored: Restored | None,
+    ) -> None: ...
+
+    def __enter__(self) -> RolloutSource: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
     @staticmethod
     def check(recipe: Recipe, world: int) -> None:
@@ -64,7 +82,7 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
-SOURCES = {"colocated": ColocatedSource, "separate": SeparateSource}
+SOURCES: dict[str, type[RolloutSource]] = {"colocated": ColocatedSource, "separate": SeparateSource}
 
 
 def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
@@ -74,13 +92,10 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     """
     run_dir, source_type = recipe.run_dir, SOURCES[recipe.rollout.mode]
     model_dir = resolve_model(recipe.model.path)
-    # Cheap checks before anything expensive starts: the model's files, the launch, the prompt set.
+    # Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
+    # files, the rollout source's own needs, the prompt set.
     check_model_dir(model_dir)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    problem = recipe.launch_problem(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    if problem:
-        raise RunError(problem)
-    source_type.check(recipe, world)
+    source_type.check(recipe, launch().world)
     if recipe.reward.function:
         load_reward(recipe.reward.function)
     problems = (
@@ -96,7 +111,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         first_step, restored = resume(run_dir, recipe, learner, prompts, log)
         recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
         recorder.start(first_step)
-        source = stack.enter_context(
+        source: RolloutSource = stack.enter_context(
             source_type(model_dir, recipe, learner, prompts, recorder, log, restored)
         )
         source.start(first_step)
@@ -130,7 +145,7 @@ def resume(
     last, skipped = checkpoint.choose(run_dir) if recipe.checkpoint.resume == "auto" else (None, [])
     first_step, restored = 0, None
     if last is not None:
-        mode = checkpoint.mode_of(checkpoint.read_loop(last))
+        mode = checkpoint.read_loop(last)["mode"]
         if mode != recipe.rollout.mode:
             raise RunError(f"{last}: checkpoint of a {mode}-mode run; resume it with rollout.mode = {mode}")
         loop = checkpoint.load(last, learner)

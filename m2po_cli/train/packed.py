@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
-from m2po_cli.batch import Batch
-from m2po_cli.distributed import transfer_device
-from m2po_cli.rollout.engine import Completion
+from m2po_cli.distributed import gather, transfer_device
+from m2po_cli.learner.batch import Batch
+from m2po_cli.rollout.types import Completion
 
 
 @dataclass
@@ -260,8 +260,9 @@ def distribute(
     if world == 1:
         return pack
     device = transfer_device()
-    row_N = all_gather_rows(pack.row_B, group)
-    owner_N = owners(row_N, all_gather_rows(pack.lengths_B, group), rows_per_update, world)
+    group = dist.group.WORLD if group is None else group
+    row_N = gather(pack.row_B, group, via=device)
+    owner_N = owners(row_N, gather(pack.lengths_B, group, via=device), rows_per_update, world)
     by_row_N = torch.argsort(row_N)
     owner_B = owner_N[by_row_N[torch.searchsorted(row_N[by_row_N], pack.row_B)]]
     order_B = torch.sort(owner_B * (pack.row_B.max() + 1 if pack.num_rows else 1) + pack.row_B).indices
@@ -300,20 +301,6 @@ def distribute(
         meta=dict(pack.meta),
     )
     return received.take(torch.sort(received.row_B).indices)
-
-
-def all_gather_rows(values_N: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
-    """Every rank's 1-D `values_N` (any lengths), concatenated in rank order; the same on every rank."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
-    if world == 1:
-        return values_N
-    device = transfer_device()
-    sizes = _all_to_all(torch.tensor([values_N.numel()] * world), [1] * world, [1] * world, group, device)
-    padded = values_N.new_zeros(max(int(sizes.max()), 1), device=device)
-    padded[: values_N.numel()] = values_N.to(device) if device else values_N
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes.tolist(), strict=True)]).cpu()
 
 
 def _all_to_all(x: Tensor, send: list[int], receive: list[int], group, device) -> Tensor:

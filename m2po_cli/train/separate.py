@@ -24,11 +24,12 @@ from m2po_cli.config import Recipe
 from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
-from m2po_cli.learner import Learner
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.producer import Finished, Group, RolloutProducer
+from m2po_cli.rollout.producer import Group, RolloutProducer
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
+from m2po_cli.rollout.types import Finished, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog, forget_steps_from
@@ -79,7 +80,9 @@ class SeparateSource:
         """Rank 0: the servers, the producer (with the prompts a checkpoint had in flight) and the grader."""
         recipe, log = self.recipe, self.log
         loop = restored.loop if restored is not None else {"step": 0, "in_flight": [], "fresh": []}
-        carried = {k: [(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")}
+        carried = {
+            k: [Ticket(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")
+        }
         if carried["in_flight"]:
             log.message(
                 f"regenerating {len(carried['in_flight'])} prompts that were in flight (partial responses are not kept)"
@@ -210,14 +213,20 @@ def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[Pac
     """Grade finished groups and pack each into its `n` rows (the producer's settling thread): rows
     keep their group's submission version and each token's own."""
     n, a = recipe.rollout.n, recipe.algorithm
-    problems = [ticket[1].problem for ticket, _, _ in finished]
-    rewards = grader.score_groups(problems, [[c.text for c in group] for _, _, group in finished])
+    problems = [f.ticket.prompt.problem for f in finished]
+    rewards = grader.score_groups(problems, [[c.text for c in f.completions] for f in finished])
     rewards_GN = torch.tensor(rewards, dtype=torch.float32).view(len(finished), n)
     return [
         pack_groups(
-            version, 0, [ticket[1].token_ids], [group], rewards_GN[i : i + 1], a.normalize_std, a.std_eps
+            f.version,
+            0,
+            [f.ticket.prompt.token_ids],
+            [f.completions],
+            rewards_GN[i : i + 1],
+            a.normalize_std,
+            a.std_eps,
         )
-        for i, (ticket, version, group) in enumerate(finished)
+        for i, f in enumerate(finished)
     ]
 
 

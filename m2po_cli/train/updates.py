@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from m2po_cli.config import Recipe
-from m2po_cli.distributed import all_reduce
-from m2po_cli.learner import Learner
+from m2po_cli.distributed import all_reduce, gather, transfer_device, world_group
+from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder, Sample
-from m2po_cli.train.packed import PackedRollouts, all_gather_rows
+from m2po_cli.train.packed import PackedRollouts
 
 
 def rows_per_update(recipe: Recipe) -> int:
@@ -83,7 +83,7 @@ def staleness_metrics(staleness_R: torch.Tensor, recipe: Recipe) -> dict[str, fl
         "staleness/mean": float((hist_S * torch.arange(bound + 1)).sum() / hist_S.sum()),
         "staleness/max": float(seen.max()),
     }
-    if recipe.staleness.mode == "bounded":
+    if recipe.bounded_staleness:
         m.update({f"staleness/hist_{k}": float(count) for k, count in enumerate(hist_S.tolist())})
     return m
 
@@ -104,10 +104,11 @@ def record_sample(
     """
     if not recorder.due(step):
         return None
-    rows_N = all_gather_rows(batch.row_B[index_K])  # in rank order, which is row order
-    lengths_N = all_gather_rows(batch.response_len_B[index_K])
+    group, device = world_group(), transfer_device()
+    rows_N = gather(batch.row_B[index_K], group, via=device)  # in rank order, which is row order
+    lengths_N = gather(batch.response_len_B[index_K], group, via=device)
     picked, _ = recorder.pick(step, learner.version, rows_N.tolist(), lengths_N.tolist())
-    chosen_N = all_gather_rows(torch.tensor(picked, dtype=torch.long))
+    chosen_N = gather(torch.tensor(picked, dtype=torch.long), group, via=device)
     mine_K = index_K[torch.isin(batch.row_B[index_K], chosen_N)]
     padded = batch.to_batch(mine_K)
     logprobs_BL, entropy_BL = learner.score(padded, with_entropy=True)  # every rank, rows or not

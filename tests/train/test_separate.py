@@ -1,0 +1,173 @@
+"""Separate mode end to end: a real `vllm serve` beside the learner, killed with SIGKILL and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
+NUM_PROBLEMS, PER_STEP, STEPS, MAX_STALENESS = 48, 8, 10, 2
+
+
+def command(out: Path) -> list[str]:
+    sets = [
+        f'run.output_dir="{out}"',
+        f"run.steps={STEPS}",
+        f"rollout.prompts_per_step={PER_STEP}",
+        "rollout.n=4",
+        f"data.synthetic.num_problems={NUM_PROBLEMS}",
+        f"staleness.max_staleness={MAX_STALENESS}",
+        "checkpoint.every=3",
+        "checkpoint.keep=5",
+        "checkpoint.export_hf=false",
+        'logging.console="plain"',
+    ]
+    return [sys.executable, "-m", "m2po_cli", "train", str(RECIPE), *(a for s in sets for a in ("--set", s))]
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                members.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return members
+
+
+def records(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run exited early with code {proc.returncode}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
+    run_dir = tmp_path / "quickstart-separate"
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen(command(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)  # fmt: skip
+        try:
+            # Kill mid-step: after the step-3 checkpoint, once step 4 has taken its rollouts.
+            wait_for(
+                lambda: any(r["step"] >= 4 for r in records(run_dir, "trained_prompts.jsonl")), 900, first
+            )
+            members = group_members(first.pid)
+            assert any("api_server" in " ".join(p.cmdline()) for p in members), "no engine in the run's group"
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    deadline = time.monotonic() + 10
+    while group_members(first.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_members(first.pid), "processes of the killed run are still alive"
+
+    second = subprocess.run(command(tmp_path), capture_output=True, text=True, env=env, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "regenerating" in second.stdout + second.stderr
+
+    steps_recorded = [r["step"] for r in records(run_dir, "trained_prompts.jsonl")]
+    assert steps_recorded == list(range(STEPS)), "the resumed run kept records of steps it trained again"
+    last_per_step = {r["step"]: r for r in records(run_dir, "trained_prompts.jsonl")}
+    trained = [
+        (e, i) for r in last_per_step.values() for e, i in zip(r["epochs"], r["problem_ids"], strict=True)
+    ]
+    assert len(trained) == len(set(trained)) == STEPS * PER_STEP, "a prompt was trained twice"
+    assert {(0, i) for i in range(NUM_PROBLEMS)} <= set(trained), "a prompt of the first epoch was lost"
+    for r in last_per_step.values():  # version-ordered, and within the bound
+        trained_at = [r["version"] + j // PER_STEP for j in range(PER_STEP)]
+        assert all(0 <= t - v <= MAX_STALENESS for t, v in zip(trained_at, r["versions"], strict=True))
+    steps = records(run_dir, "metrics.jsonl")
+    assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
+    assert sum(m["rollout/regenerated"] for m in steps) == 0, "a weight sync threw work away"
+
+
+def test_an_attached_server_that_refuses_connections_stops_the_run_at_once_in_one_line(tmp_path):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cmd = command(tmp_path) + ["--set", f'rollout.servers=["{url}"]']  # server_start_timeout_s: 600
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert f"checking the rollout server(s): {url}" in out
+    assert out.rstrip().endswith(f"rollout server {url} refused the connection: is vllm serve running there?")
+    assert "Traceback" not in out
+    assert time.monotonic() - t0 < 200, "the run waited for a server that refuses connections"
+
+
+def started_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
+    """A separate-mode run in its own session, once it has trained a step; and its engine's processes."""
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (the run writes it until it ends)
+    run = subprocess.Popen(
+        command(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    run_dir = tmp_path / "quickstart-separate"
+    wait_for(lambda: records(run_dir, "trained_prompts.jsonl"), 900, run)
+    servers = [p for p in group_members(run.pid) if "api_server" in " ".join(p.cmdline())]
+    assert len(servers) == 1, "one vllm serve in the run's group"
+    return run, tmp_path / f"{name}.log", [servers[0], *servers[0].children(recursive=True)]
+
+
+def gone(procs: list[psutil.Process], timeout_s: float = 30) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_killed_server_stops_the_run_in_one_line_and_leaves_no_engine_process(tmp_path):
+    """An OOM kill of `vllm serve` alone: its engine core would live on, holding GPU memory."""
+    run, log, engine = started_run(tmp_path, "killed-server")
+    try:
+        assert len(engine) >= 2, "the server's engine core runs in a process of its own"
+        engine[0].kill()
+        run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    out = log.read_text()
+    last = out.rstrip().splitlines()[-1]
+    assert run.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert f"(vllm serve, pid {engine[0].pid}) exited with code -9; see " in last, last
+    assert last.endswith("engine-0.log"), last
+    assert gone(engine), "a process of the killed server is still running"
+
+
+def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_nothing_in_shared_memory(tmp_path):
+    """A scheduler's preemption: the run's own process gets SIGTERM."""
+    from m2po_cli.rollout.transport import PREFIX, shm_root
+
+    run, log, engine = started_run(tmp_path, "sigterm")
+    try:
+        assert list(shm_root().glob(f"{PREFIX}*-pid{run.pid}-*")), (
+            "the run keeps its weights in shared memory"
+        )
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert not list(shm_root().glob(f"{PREFIX}*-pid{run.pid}-*")), "the run left its weights in shared memory"
+    assert gone(engine), "a process of the run's server is still running"
