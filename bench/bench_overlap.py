@@ -83,6 +83,7 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     from m2po_cli.rollout.producer import RolloutProducer
     from m2po_cli.rollout.server import EngineServer
     from m2po_cli.rollout.transport import ShmWeightTransport
+    from m2po_cli.rollout.types import Finished, Ticket
     from m2po_cli.train.packed import PackedRollouts
     from m2po_cli.train.separate import settle
     from m2po_cli.train.updates import train_on
@@ -116,7 +117,7 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
             times = []
             for step, taken in enumerate(groups):
                 t0 = time.perf_counter()
-                finished = [((g.epoch, g.prompt), g.version, g.rows) for g in taken]
+                finished = [Finished(Ticket(g.epoch, g.prompt), g.version, g.rows) for g in taken]
                 rows = settle(finished, grader, recipe)
                 batch = PackedRollouts.cat(rows, torch.arange(len(rows) * recipe.rollout.n))
                 train_on(batch, learner, loss_fn, transport.after_update, recipe, recorder, step)
