@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ROUTING_SETS = ("PYTHONWARNINGS", "TORCH_CPP_LOG_LEVEL", "VLLM_CONFIGURE_LOGGING", "VLLM_LOGGING_CONFIG_PATH")
 CODE = """
 import logging, sys, warnings
 from pathlib import Path
@@ -25,7 +26,9 @@ logging.getLogger("vllm.engine").error("vllm fails")
 @pytest.mark.parametrize("verbose", [False, True])
 def test_third_party_output_goes_to_the_log_file(tmp_path, verbose):
     log = tmp_path / "third-party.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A fresh process, as the CLI's is: none of what routing sets, which a CLI run in this process
+    # (by an earlier test or fixture) may have left in its environment.
+    env = {k: v for k, v in os.environ.items() if k not in ROUTING_SETS} | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-c", CODE, str(log), "1" if verbose else "0"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=True)
     messages = ["vllm warns", "torch informs", "a deprecation", "vllm fails"]
