@@ -9,7 +9,7 @@ Measured in one run of this script, on the quickstart task:
 1. **Each side alone**, through separate mode's own code, in a child process: the producer gathers
    `--steps` steps' worth of groups from the server with the learner idle (generation alone, per
    step), then the learner settles (grades, packs) and trains on them, pushing its weights to the
-   server after every update, with the engine idle (training alone, per step).
+   server every `--sync-every` updates, with the engine idle (training alone, per step).
 2. **Separate**: `m2po train` in separate mode, both sides at once, each on its core.
 3. **Colocated on both cores**: `m2po train` in colocated mode, the mode separate mode must beat.
 
@@ -23,7 +23,7 @@ GPUs, where each side has its own devices), separate over colocated samples/s, t
 the engine's idle fractions, the mean staleness, and the share of generated tokens that were
 trained. Steady state: the first `--warmup` steps of every run are left out.
 
-    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--repeats 3]
+    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--sync-every 1] [--repeats 3]
 
 What it predicts for the 8B recipe is worked out in docs/staleness.md.
 """
@@ -112,10 +112,11 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         groups = [producer.take(per_step, 0) for _ in range(1, steps)]
         generate = (time.perf_counter() - t0) / (steps - 1)
         producer.stop()
-        # The learner's side alone: settle, train, push to the (idle) engine after every update.
+        # The learner's side alone: settle, train, push to the (idle) engine as separate mode does.
         learner = Learner(model_dir, recipe)
         recorder = Recorder(out, recipe.inspect, 0, 0, 1)
-        transport = ShmWeightTransport(0, 1, torch_dtype(recipe.model.dtype), producer.swap, "bench-overlap")
+        dtype = torch_dtype(recipe.model.dtype)
+        transport = ShmWeightTransport(0, args.sync_every, dtype, producer.swap, "bench-overlap")
         loss_fn = build_loss(recipe.loss)
         with Grader(num_workers=grader_workers(1)) as grader:
             times = []
@@ -136,16 +137,8 @@ def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     """`alone` in a fresh process pinned as separate mode pins its learner (this script again,
     `--alone-only`), so each repeat's baseline starts as cold as its runs; its two figures."""
     out.mkdir(parents=True)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--alone-only",
-        str(out),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-    ]
+    cmd = [sys.executable, __file__, "--alone-only", str(out), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup), "--sync-every", str(args.sync_every)]
     t0 = time.perf_counter()
     done = subprocess.run(
         cmd,
@@ -170,6 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of every figure")
     parser.add_argument("--staleness", type=int, default=4, help="separate mode's max_staleness")
+    parser.add_argument("--sync-every", type=int, default=1, help="separate mode's rollout.sync_every")
     parser.add_argument(
         "--repeats", type=int, default=3, help="each side alone, separate, colocated, in turn"
     )
@@ -190,7 +184,11 @@ def main() -> None:
         )
         for r in range(args.repeats):
             baselines.append(alone_in_child(args, out / f"alone-{r}"))
-            sets = [*steps, f"staleness.max_staleness={args.staleness}"]
+            sets = [
+                *steps,
+                f"staleness.max_staleness={args.staleness}",
+                f"rollout.sync_every={args.sync_every}",
+            ]
             whole.append(run(f"separate-{r}", "quickstart-separate.toml", sets, True, out))
             separate.append(whole[-1][args.warmup :])
             sets = [*steps, "staleness.s=0"]
