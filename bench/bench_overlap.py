@@ -6,12 +6,16 @@ by giving each side one core of its own (one thread each): the engine (`vllm ser
 processes) core 0, the learner (and its grader, its HTTP client, its weight writes) core 1.
 Measured in one run of this script, on the quickstart task:
 
-1. **Each side alone**, through separate mode's own code, in this process: the producer gathers
+1. **Each side alone**, through separate mode's own code, in a child process: the producer gathers
    `--steps` steps' worth of groups from the server with the learner idle (generation alone, per
    step), then the learner settles (grades, packs) and trains on them, pushing its weights to the
-   server after every update, with the engine idle (training alone, per step).
+   server every `--sync-every` updates, with the engine idle (training alone, per step).
 2. **Separate**: `m2po train` in separate mode, both sides at once, each on its core.
 3. **Colocated on both cores**: `m2po train` in colocated mode, the mode separate mode must beat.
+
+The three are measured in turn `--repeats` times, so the baseline moves with the machine as the runs
+do; each repeat's overlap efficiency divides by its own baseline, and every figure is printed as the
+median with each repeat's value.
 
 Printed: the time per step and samples/s of each, the overlap efficiency
 `max(generate, train) / separate time per step` (1.0 is a perfect overlap; the figure that carries to
@@ -19,7 +23,7 @@ GPUs, where each side has its own devices), separate over colocated samples/s, t
 the engine's idle fractions, the mean staleness, and the share of generated tokens that were
 trained. Steady state: the first `--warmup` steps of every run are left out.
 
-    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--repeats 3]
+    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--sync-every 1] [--repeats 3]
 
 What it predicts for the 8B recipe is worked out in docs/staleness.md.
 """
@@ -108,10 +112,11 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         groups = [producer.take(per_step, 0) for _ in range(1, steps)]
         generate = (time.perf_counter() - t0) / (steps - 1)
         producer.stop()
-        # The learner's side alone: settle, train, push to the (idle) engine after every update.
+        # The learner's side alone: settle, train, push to the (idle) engine as separate mode does.
         learner = Learner(model_dir, recipe)
         recorder = Recorder(out, recipe.inspect, 0, 0, 1)
-        transport = ShmWeightTransport(0, 1, torch_dtype(recipe.model.dtype), producer.swap, "bench-overlap")
+        dtype = torch_dtype(recipe.model.dtype)
+        transport = ShmWeightTransport(0, args.sync_every, dtype, producer.swap, "bench-overlap")
         loss_fn = build_loss(recipe.loss)
         with Grader(num_workers=grader_workers(1)) as grader:
             times = []
@@ -128,6 +133,27 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         server.close()
 
 
+def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float]:
+    """`alone` in a fresh process pinned as separate mode pins its learner (this script again,
+    `--alone-only`), so each repeat's baseline starts as cold as its runs; its two figures."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, __file__, "--alone-only", str(out), "--steps", str(args.steps)]
+    cmd += ["--warmup", str(args.warmup), "--sync-every", str(args.sync_every)]
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ONE_THREAD},
+        preexec_fn=lambda: os.sched_setaffinity(0, {LEARNER_CORE}),
+    )
+    if done.returncode:
+        sys.exit(f"the alone phase failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    print(f"  alone: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    generate, train = json.loads(done.stdout.strip().splitlines()[-1])
+    return generate, train
+
+
 def mean(steps: list[dict], key: str) -> float:
     return sum(m[key] for m in steps) / len(steps)
 
@@ -137,25 +163,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of every figure")
     parser.add_argument("--staleness", type=int, default=4, help="separate mode's max_staleness")
-    parser.add_argument("--repeats", type=int, default=3, help="separate and colocated runs, alternating")
+    parser.add_argument("--sync-every", type=int, default=1, help="separate mode's rollout.sync_every")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="each side alone, separate, colocated, in turn"
+    )
+    parser.add_argument("--alone-only", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.alone_only:
+        print(json.dumps(alone(args, args.alone_only)))
+        return
     if (os.cpu_count() or 1) < 2:
         sys.exit("this benchmark gives each side a core of its own: it needs at least 2")
     steps = [f"run.steps={args.steps}"]
-    separate, colocated, whole = [], [], []
+    separate, colocated, whole, baselines = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         print(
             "running: each side alone, then separate (a core each) and colocated (both cores)",
             file=sys.stderr,
         )
-        os.environ.update(ONE_THREAD)  # the engine's core, for the server this process starts
-        os.sched_setaffinity(0, {LEARNER_CORE})
-        t0 = time.perf_counter()
-        generate, train = alone(args, out)
-        print(f"  alone: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         for r in range(args.repeats):
-            sets = [*steps, f"staleness.max_staleness={args.staleness}"]
+            baselines.append(alone_in_child(args, out / f"alone-{r}"))
+            sets = [
+                *steps,
+                f"staleness.max_staleness={args.staleness}",
+                f"rollout.sync_every={args.sync_every}",
+            ]
             whole.append(run(f"separate-{r}", "quickstart-separate.toml", sets, True, out))
             separate.append(whole[-1][args.warmup :])
             sets = [*steps, "staleness.s=0"]
@@ -164,14 +197,16 @@ def main() -> None:
     sep_steps = [mean(steps, "time/step") for steps in separate]
     col_steps = [mean(steps, "time/step") for steps in colocated]
     sep_step, col_step = statistics.median(sep_steps), statistics.median(col_steps)
+    generates, trains = [b[0] for b in baselines], [b[1] for b in baselines]
+    generate, train = statistics.median(generates), statistics.median(trains)
     every = [m for steps in separate for m in steps]
     # Over whole runs: what the engines generated, and what of it was trained before the run ended.
     trained_tokens = sum(m["rollout/response_tokens_mean"] * samples for steps in whole for m in steps)
     generated_tokens = sum(m["rollout/generated_tokens"] for steps in whole for m in steps)
     each = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     rows = [
-        ("generation alone, one core", f"{generate:.3f} s/step", ""),
-        ("learner alone, one core", f"{train:.3f} s/step", ""),
+        ("generation alone, one core", f"{generate:.3f} s/step", f"({each(generates)})"),
+        ("learner alone, one core", f"{train:.3f} s/step", f"({each(trains)})"),
         (
             "separate, one core each",
             f"{sep_step:.3f} s/step",
@@ -190,15 +225,18 @@ def main() -> None:
     )
     for name, step, rate in rows:
         print(f"  {name:<{width}}  {step:>13}  {rate}")
-    efficiencies = [max(generate, train) / x for x in sep_steps]
+    efficiencies = [max(b) / x for b, x in zip(baselines, sep_steps, strict=True)]
     print(
-        f"  overlap efficiency max(generate, train) / separate: {max(generate, train) / sep_step:.2f} "
-        f"({each(efficiencies)})"
+        f"  overlap efficiency max(generate, train) / separate, each against its repeat's baseline: "
+        f"{statistics.median(efficiencies):.2f} ({each(efficiencies)})"
     )
     print(f"  separate / colocated samples/s: {col_step / sep_step:.2f}x")
     print(
         f"  separate idle: learner {100 * mean(every, 'perf/learner_idle_frac'):.1f}%, "
-        f"engine {100 * mean(every, 'perf/engine_idle_frac'):.1f}%; mean staleness "
+        f"engine {100 * mean(every, 'perf/engine_idle_frac'):.1f}% (paused for syncs "
+        f"{100 * mean(every, 'perf/engine_idle_sync_frac'):.1f}%, held by the bound "
+        f"{100 * mean(every, 'perf/engine_idle_bound_frac'):.1f}%, nothing in flight otherwise "
+        f"{100 * mean(every, 'perf/engine_idle_starved_frac'):.1f}%); mean staleness "
         f"{mean(every, 'staleness/mean'):.2f} updates"
     )
     print(

@@ -69,6 +69,30 @@ class Group:
     index: int  # admission order: the learner trains groups in it
 
 
+class IdleClock:
+    """Seconds the engines spent idle since the last `take`, by why:
+    - `sync`: paused for a weight swap (requests in flight wait; admission too);
+    - `bound`: nothing in flight, because the staleness bound holds admission until the next swap;
+    - `starved`: nothing in flight for another reason (between a request's answer and the next
+      admission, or the run not yet asking)."""
+
+    def __init__(self) -> None:
+        self.why: str | None = "starved"  # before the first request
+        self.since = time.perf_counter()
+        self.seconds = dict.fromkeys(("sync", "bound", "starved"), 0.0)
+
+    def now(self, why: str | None, at: float | None = None) -> None:
+        at = time.perf_counter() if at is None else at
+        if self.why is not None:
+            self.seconds[self.why] += at - self.since
+        self.why, self.since = why, at
+
+    def take(self, at: float) -> dict[str, float]:
+        self.now(self.why, at)
+        taken, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return taken
+
+
 class RolloutProducer:
     """Admission, streaming, settling and the finished-group buffer (rank 0 only)."""
 
@@ -110,8 +134,8 @@ class RolloutProducer:
         self._last_progress = time.monotonic()
         # Counters since the last `take_metrics()`.
         self._t_metrics = time.perf_counter()
-        self._busy_s, self._busy_since = 0.0, None
-        self._learner_wait_s = self._sync_s = 0.0
+        self.idle = IdleClock()
+        self._learner_wait_s = 0.0
         self._num_samples = self._num_tokens = self._regenerated = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # the request loop, once it runs
         self._admission: asyncio.Event | None = None
@@ -166,16 +190,16 @@ class RolloutProducer:
     def swap(self, load: Load, version: int) -> None:
         """Load new weights into every engine with `load(servers)` (the weight transport's rank-0 side);
         requests in flight go on under the new weights."""
-        t0 = time.perf_counter()
         with self.cond:
             self.syncing = True
+            self._update_idle()
         try:
             swap_weights(self.servers, load, version)
         finally:
             with self.cond:
                 self.engine_version = version
                 self.syncing = False
-                self._sync_s += time.perf_counter() - t0
+                self._update_idle()
                 self.cond.notify_all()
             self._wake_admission()
 
@@ -199,11 +223,11 @@ class RolloutProducer:
     def take_metrics(self) -> dict[str, float]:
         now = time.perf_counter()
         with self.cond:
-            busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
             wall = max(now - self._t_metrics, 1e-9)
+            idle = {why: seconds / wall for why, seconds in self.idle.take(now).items()}
             m = {
-                # Idle: nothing in flight, or paused for a weight sync.
-                "perf/engine_idle_frac": min(1.0, max(0.0, 1.0 - (busy - self._sync_s) / wall)),
+                "perf/engine_idle_frac": min(1.0, sum(idle.values())),
+                **{f"perf/engine_idle_{why}_frac": min(1.0, frac) for why, frac in idle.items()},
                 "perf/learner_idle_frac": min(1.0, self._learner_wait_s / wall),
                 "perf/samples_per_s": self._num_samples / wall,
                 "rollout/generated_tokens": float(self._num_tokens),
@@ -211,8 +235,7 @@ class RolloutProducer:
                 "rollout/buffered": float(len(self.done)),
                 "rollout/regenerated": float(self._regenerated),
             }
-            self._t_metrics, self._busy_s, self._sync_s = now, 0.0, 0.0
-            self._busy_since = now if self.running else None
+            self._t_metrics = now
             self._learner_wait_s, self._num_samples, self._num_tokens, self._regenerated = 0.0, 0, 0, 0
         return m
 
@@ -242,7 +265,7 @@ class RolloutProducer:
             if self.load and self.load[url] >= self.per_server:
                 return None
             if not self.resubmit:
-                if self.admitted >= (self.engine_version + self.max_staleness + 1) * self.per_update:
+                if self.bound_reached():
                     return None
                 if not self.fresh:
                     batch = next(self.prompts)  # a batch never straddles two epochs
@@ -253,9 +276,9 @@ class RolloutProducer:
             key = self._next_key
             self._next_key += 1
             if not self.running:
-                self._busy_since = time.perf_counter()
                 self._last_progress = time.monotonic()
             self.running[key] = (index, ticket, url)
+            self._update_idle()
             if url:
                 self.load[url] += 1
             return Request(key, ticket, self.engine_version, url)
@@ -322,6 +345,21 @@ class RolloutProducer:
             completions = None
         self.finish(key, ticket, version, completions)
 
+    def bound_reached(self) -> bool:
+        """Whether the staleness bound holds admission: one more prompt could not be trained within
+        `max_staleness` updates of the engine's version (the learner takes prompts in order)."""
+        return self.admitted >= (self.engine_version + self.max_staleness + 1) * self.per_update
+
+    def _update_idle(self) -> None:
+        """Under the lock, after any change of what is in flight or whether a sync runs: why the
+        engines are idle now, if they are."""
+        if self.syncing:
+            self.idle.now("sync")
+        elif self.running:
+            self.idle.now(None)
+        else:
+            self.idle.now("bound" if not self.resubmit and self.bound_reached() else "starved")
+
     def _model_of(self, url: str) -> str:
         return next(s.model_name for s in self.servers if s.url == url)
 
@@ -339,9 +377,7 @@ class RolloutProducer:
             if url:
                 self.load[url] -= 1
             self._last_progress = time.monotonic()
-            if not self.running and self._busy_since is not None:
-                self._busy_s += time.perf_counter() - self._busy_since
-                self._busy_since = None
+            self._update_idle()
             if completions is None:
                 self.resubmit.appendleft((index, ticket))  # it keeps its place in the order
                 self._regenerated += 1

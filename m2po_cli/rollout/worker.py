@@ -59,8 +59,10 @@ class WeightSync:
 
     def m2po_load_weights_from(self, model_dir: str, version: int = 0) -> int:
         """Load the `*.safetensors` files of an HF model directory (same architecture as the engine's),
-        one tensor at a time."""
-        return self.m2po_reload(safetensors_items(Path(model_dir)), version)
+        one tensor at a time, as `m2po_push` loads a stream: in place on the CPU (a shared-memory sync
+        costs the engine the copy, not vLLM's layerwise reload: 25 ms -> 15 ms at the quickstart's
+        model), through the reload on a GPU."""
+        return self.m2po_push(safetensors_items(Path(model_dir)), version)
 
     def m2po_reach(self, address: str, port: str, timeout_s: str) -> str:
         """Open a TCP connection from this worker to `address:port` (where the learner waits for the

@@ -9,6 +9,7 @@ would produce only by chance.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -48,6 +49,36 @@ def test_admission_stops_at_the_bound_and_a_sync_opens_it(char_tokenizer, max_st
     p.swap(lambda servers: None, 1)
     more = admit_all(p)
     assert len(more) == PER_UPDATE and {version for _, _, version, _ in more} == {1}
+
+
+def test_idle_time_is_split_by_why(char_tokenizer, monkeypatch):
+    """`perf/engine_idle_frac` is the sum of three parts: paused for a sync, held by the staleness
+    bound with nothing in flight, and nothing in flight otherwise; time with requests in flight and
+    no sync is busy."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    p = producer(char_tokenizer, max_staleness=0)  # t = 0: nothing asked yet
+
+    def at(t: float) -> None:
+        clock[0] = t
+
+    at(1.0)
+    requests = admit_all(p)  # starved 0-1, busy from 1
+    at(3.0)
+    for key, ticket, version, _ in requests:
+        p.finish(key, ticket, version, answer())  # all answered and the bound reached: held from 3
+    at(4.0)
+    p.swap(lambda servers: at(4.5), 1)  # bound 3-4, sync 4-4.5, then starved until admission
+    at(5.0)
+    admit_all(p)  # busy from 5
+    at(6.0)
+    m = p.take_metrics()
+    assert m["perf/engine_idle_starved_frac"] == pytest.approx(1.5 / 6)
+    assert m["perf/engine_idle_bound_frac"] == pytest.approx(1.0 / 6)
+    assert m["perf/engine_idle_sync_frac"] == pytest.approx(0.5 / 6)
+    assert m["perf/engine_idle_frac"] == pytest.approx(3.0 / 6)
+    at(7.0)
+    assert p.take_metrics()["perf/engine_idle_frac"] == 0.0  # busy the whole second since
 
 
 def test_a_request_across_a_sync_is_kept_with_the_version_of_its_submission(char_tokenizer):
