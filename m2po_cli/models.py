@@ -156,13 +156,14 @@ def builtin_dir(path: str) -> Path:
 BUILD_LIBRARIES = ("torch", "transformers")
 
 
-def _spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
+def _build_record(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
+    """What a build depends on: the spec, `BUILD_VERSION` and the libraries' versions (its cache key)."""
     libraries = {name: importlib.metadata.version(name) for name in BUILD_LIBRARIES}
     return {"build_version": BUILD_VERSION, "libraries": libraries, **spec_dict(spec)}
 
 
 def _spec_hash(spec: TinyQwen3 | SmolLM2Gguf) -> str:
-    return hashlib.sha256(json.dumps(_spec_dict(spec), sort_keys=True).encode()).hexdigest()[:10]
+    return hashlib.sha256(json.dumps(_build_record(spec), sort_keys=True).encode()).hexdigest()[:10]
 
 
 @contextlib.contextmanager
@@ -192,7 +193,7 @@ def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
         try:
             build_portable(spec, tmp)
             weights = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
-            record = {**_spec_dict(spec), "model_sha256": weights}
+            record = {**_build_record(spec), "model_sha256": weights}
             (tmp / "m2po_build.json").write_text(json.dumps(record, indent=2) + "\n")
             tmp.chmod(0o755)  # mkdtemp makes it private
             os.rename(tmp, final)
