@@ -50,6 +50,14 @@ SETS = [
     "inspect.every=0",
     'logging.console="plain"',
 ]
+# The two workloads, as changes to the quickstart recipes. `long-tail`: the model writes a geometric
+# number of worked lines before its answer (builtin:tiny-qwen3-long-tail), so answers are mostly
+# short, some many times longer, and some cut at max_new_tokens; a colocated step waits for its
+# longest answers, separate mode's engine admits new prompts in their place.
+TASKS = {
+    "quickstart": [],
+    "long-tail": ['model.path="builtin:tiny-qwen3-long-tail"', "rollout.max_new_tokens=96"],
+}
 ENGINE_CORE, LEARNER_CORE = 0, 1
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE)}
 
@@ -93,7 +101,7 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     from m2po_cli.train.updates import train_on
 
     torch.set_num_threads(1)
-    sets = [f'run.output_dir="{out}"', 'run.name="alone"', *SETS, f"run.steps={args.steps}"]
+    sets = [f'run.output_dir="{out}"', 'run.name="alone"', *SETS, *separate_sets(args)]
     recipe = load_recipe(ROOT / "recipes" / "quickstart-separate.toml", sets)
     model_dir = resolve_model(recipe.model.path)
     steps, per_step = args.steps, recipe.rollout.prompts_per_step
@@ -112,11 +120,12 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         groups = [producer.take(per_step, 0) for _ in range(1, steps)]
         generate = (time.perf_counter() - t0) / (steps - 1)
         producer.stop()
+        lengths = [(len(c.token_ids), not c.finished) for g in groups for group in g for c in group.rows]
         # The learner's side alone: settle, train, push to the (idle) engine as separate mode does.
         learner = Learner(model_dir, recipe)
         recorder = Recorder(out, recipe.inspect, 0, 0, 1)
         dtype = torch_dtype(recipe.model.dtype)
-        transport = ShmWeightTransport(0, args.sync_every, dtype, producer.swap, "bench-overlap")
+        transport = ShmWeightTransport(0, recipe.rollout.sync_every, dtype, producer.swap, "bench-overlap")
         loss_fn = build_loss(recipe.loss)
         with Grader(num_workers=grader_workers(1)) as grader:
             times = []
@@ -128,17 +137,29 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
                 train_on(batch, learner, loss_fn, transport.after_update, recipe, recorder, step)
                 times.append(time.perf_counter() - t0)
         transport.close()
-        return generate, sum(times[args.warmup :]) / len(times[args.warmup :])
+        return generate, sum(times[args.warmup :]) / len(times[args.warmup :]), lengths
     finally:
         server.close()
 
 
-def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float]:
+def separate_sets(args: argparse.Namespace) -> list[str]:
+    """The task's and the command line's changes to quickstart-separate.toml."""
+    sets = [*TASKS[args.task], f"run.steps={args.steps}"]
+    if args.staleness is not None:
+        sets.append(f"staleness.max_staleness={args.staleness}")
+    if args.sync_every is not None:
+        sets.append(f"rollout.sync_every={args.sync_every}")
+    return sets
+
+
+def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float, list]:
     """`alone` in a fresh process pinned as separate mode pins its learner (this script again,
-    `--alone-only`), so each repeat's baseline starts as cold as its runs; its two figures."""
+    `--alone-only`), so each repeat's baseline starts as cold as its runs; its figures."""
     out.mkdir(parents=True)
-    cmd = [sys.executable, __file__, "--alone-only", str(out), "--steps", str(args.steps)]
-    cmd += ["--warmup", str(args.warmup), "--sync-every", str(args.sync_every)]
+    cmd = [sys.executable, __file__, "--alone-only", str(out), "--task", args.task]
+    cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--sync-every", str(args.sync_every)] if args.sync_every is not None else []
+    cmd += ["--staleness", str(args.staleness)] if args.staleness is not None else []
     t0 = time.perf_counter()
     done = subprocess.run(
         cmd,
@@ -150,8 +171,8 @@ def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     if done.returncode:
         sys.exit(f"the alone phase failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     print(f"  alone: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    generate, train = json.loads(done.stdout.strip().splitlines()[-1])
-    return generate, train
+    generate, train, lengths = json.loads(done.stdout.strip().splitlines()[-1])
+    return generate, train, lengths
 
 
 def mean(steps: list[dict], key: str) -> float:
@@ -162,8 +183,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of every figure")
-    parser.add_argument("--staleness", type=int, default=4, help="separate mode's max_staleness")
-    parser.add_argument("--sync-every", type=int, default=1, help="separate mode's rollout.sync_every")
+    parser.add_argument("--task", choices=sorted(TASKS), default="quickstart")
+    parser.add_argument("--staleness", type=int, help="separate mode's max_staleness (default: the recipe's)")
+    parser.add_argument(
+        "--sync-every", type=int, help="separate mode's rollout.sync_every (default: the recipe's)"
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="each side alone, separate, colocated, in turn"
     )
@@ -174,7 +198,6 @@ def main() -> None:
         return
     if (os.cpu_count() or 1) < 2:
         sys.exit("this benchmark gives each side a core of its own: it needs at least 2")
-    steps = [f"run.steps={args.steps}"]
     separate, colocated, whole, baselines = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
@@ -184,20 +207,19 @@ def main() -> None:
         )
         for r in range(args.repeats):
             baselines.append(alone_in_child(args, out / f"alone-{r}"))
-            sets = [
-                *steps,
-                f"staleness.max_staleness={args.staleness}",
-                f"rollout.sync_every={args.sync_every}",
-            ]
+            sets = separate_sets(args)
             whole.append(run(f"separate-{r}", "quickstart-separate.toml", sets, True, out))
             separate.append(whole[-1][args.warmup :])
-            sets = [*steps, "staleness.s=0"]
+            sets = [*TASKS[args.task], f"run.steps={args.steps}", "staleness.s=0"]
             colocated.append(run(f"colocated-{r}", "quickstart.toml", sets, False, out)[args.warmup :])
     samples = 32 * 8
     sep_steps = [mean(steps, "time/step") for steps in separate]
     col_steps = [mean(steps, "time/step") for steps in colocated]
     sep_step, col_step = statistics.median(sep_steps), statistics.median(col_steps)
     generates, trains = [b[0] for b in baselines], [b[1] for b in baselines]
+    lengths = sorted(n for b in baselines for n, _ in b[2])
+    cut = sum(c for b in baselines for _, c in b[2]) / len(lengths)
+    quantile = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
     generate, train = statistics.median(generates), statistics.median(trains)
     every = [m for steps in separate for m in steps]
     # Over whole runs: what the engines generated, and what of it was trained before the run ended.
@@ -220,12 +242,37 @@ def main() -> None:
     ]
     width = max(len(r[0]) for r in rows)
     print(
-        f"\nquickstart task, 32 x 8 samples per step, steps {args.warmup}..{args.steps - 1}, "
+        f"\n{args.task} task, 32 x 8 samples per step, steps {args.warmup}..{args.steps - 1}, "
         f"medians of {args.repeats} runs:"
     )
     for name, step, rate in rows:
         print(f"  {name:<{width}}  {step:>13}  {rate}")
-    efficiencies = [max(b) / x for b, x in zip(baselines, sep_steps, strict=True)]
+    print(
+        f"  answer lengths, generation alone (the initial policy, {len(lengths)} answers): median "
+        f"{quantile(0.5)}, p90 {quantile(0.9)}, p99 {quantile(0.99)}, max {lengths[-1]} tokens; "
+        f"{100 * cut:.1f}% cut at the limit"
+    )
+    for name, steps in (("separate", separate), ("colocated", colocated)):
+        every_step = [m for s in steps for m in s]
+        print(
+            f"  answer lengths, {name} runs: mean {mean(every_step, 'rollout/response_tokens_mean'):.1f} "
+            f"tokens, {100 * mean(every_step, 'rollout/truncated_frac'):.1f}% cut"
+        )
+    # The engine's speed while it works: the tokens it returned per second not idle, against generation
+    # alone's tokens per second (what it loses to recomputing kept requests' KV cache after each sync,
+    # and to sharing the machine with the learner).
+    alone_speeds = [sum(n for n, _ in b[2]) / (b[0] * (args.steps - 1)) for b in baselines]
+    busy_speeds = [
+        sum(m["rollout/generated_tokens"] for m in steps)
+        / sum(m["time/step"] * (1 - m["perf/engine_idle_frac"]) for m in steps)
+        for steps in separate
+    ]
+    print(
+        f"  engine tokens/s while not idle, separate over generation alone: "
+        f"{statistics.median(b / a for a, b in zip(alone_speeds, busy_speeds, strict=True)):.2f} "
+        f"({statistics.median(busy_speeds):.0f} against {statistics.median(alone_speeds):.0f})"
+    )
+    efficiencies = [max(b[:2]) / x for b, x in zip(baselines, sep_steps, strict=True)]
     print(
         f"  overlap efficiency max(generate, train) / separate, each against its repeat's baseline: "
         f"{statistics.median(efficiencies):.2f} ({each(efficiencies)})"

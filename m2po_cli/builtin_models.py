@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +50,9 @@ class WarmStart:
     batch_size: int = 128
     lr: float = 3e-3
     seed: int = 0
+    # Worked lines `a+b=X;` written before the boxed answer, a geometric number of them with this
+    # mean (0: none). Most answers come out short, some many times longer: a long tail of lengths.
+    checks_mean: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +220,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     """Teach the answer format and a weak prior on the sums: a short, seeded supervised run, in place.
 
     Each example is the chat prompt of a problem `a+b` (`num_operands` operands, uniform in
-    0..max_operand) followed by `\\boxed{X}<|im_end|>`; the loss covers the response tokens only.
+    0..max_operand) followed by `\\boxed{X}<|im_end|>`, after `checks_mean` worked lines `a+b=X;` on
+    average (a geometric number; none by default); the loss covers the response tokens only.
     X is the true sum with probability `correct_fraction` and otherwise uniform over the answer range
     0..num_operands*max_operand. The problem text must match `synthetic:arithmetic`'s (`3+4`).
     With the defaults the untied model then answers in the format greedily every time and in about
@@ -242,7 +247,10 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
         correct_B = torch.rand(ws.batch_size, generator=gen) < ws.correct_fraction
         labels_B = torch.where(correct_B, operands_BO.sum(1), guesses_B)
-        input_ids_BT, labels_BT = _format_batch(tokenizer, operands_BO.tolist(), labels_B.tolist())
+        checks_B = _num_checks(ws, gen)
+        input_ids_BT, labels_BT = _format_batch(
+            tokenizer, operands_BO.tolist(), labels_B.tolist(), checks_B.tolist()
+        )
         loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -250,21 +258,39 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     model.eval()
 
 
+def _num_checks(ws: WarmStart, gen) -> Any:
+    """How many worked lines each example of a batch writes: geometric on 0, 1, 2, ... with mean
+    `checks_mean` (P(k) = (1 - p)^k p, p = 1 / (1 + mean)), drawn only when there are any, so a
+    warm start without them takes the same random numbers as before they existed."""
+    import torch
+
+    if ws.checks_mean == 0:
+        return torch.zeros(ws.batch_size, dtype=torch.long)
+    stop = 1.0 / (1.0 + ws.checks_mean)
+    uniform_B = torch.rand(ws.batch_size, generator=gen).clamp_min(1e-12)
+    return (torch.log(uniform_B) / math.log1p(-stop)).floor().long()
+
+
 def _format_batch(
-    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int]
+    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int], checks: list[int]
 ) -> tuple[Any, Any]:
-    """Right-padded `prompt + \\boxed{answer}<|im_end|>` ids and labels (-100 outside the response).
+    """Right-padded `prompt + (a+b=answer;) x checks + \\boxed{answer}<|im_end|>` ids and labels
+    (-100 outside the response).
 
     Right padding keeps every real token's causal context free of pads, so no attention mask is needed.
     """
     import torch
 
     rows, masks = [], []
-    for ops, answer in zip(operands, answers, strict=True):
-        messages = [{"role": "user", "content": "+".join(map(str, ops))}]
+    for ops, answer, num_checks in zip(operands, answers, checks, strict=True):
+        problem = "+".join(map(str, ops))
+        messages = [{"role": "user", "content": problem}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        response_ids = tokenizer.encode(f"{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False)
+        worked = f"{problem}={answer};" * num_checks
+        response_ids = tokenizer.encode(
+            f"{worked}{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False
+        )
         rows.append(prompt_ids + response_ids)
         masks.append([False] * len(prompt_ids) + [True] * len(response_ids))
     num_tokens = max(map(len, rows))

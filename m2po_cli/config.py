@@ -25,7 +25,12 @@ PAPER_PROMPT_TEMPLATE = (
     "answer in \\boxed{{}} tags, for example \\boxed{{1}}. Let's solve this step by step. "
 )
 
-BUILTIN_MODELS = ("builtin:tiny-qwen3", "builtin:tiny-qwen3-untied", "builtin:smollm2-135m-instruct")
+BUILTIN_MODELS = (
+    "builtin:tiny-qwen3",
+    "builtin:tiny-qwen3-untied",
+    "builtin:tiny-qwen3-long-tail",
+    "builtin:smollm2-135m-instruct",
+)
 SYNTHETIC_SOURCES = ("synthetic:arithmetic",)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

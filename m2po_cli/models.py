@@ -18,6 +18,10 @@ files with a chat template; transformers, torchtitan's state-dict adapters and v
     format (see `builtin_models.warm_start`), so that a quickstart run shows RL learning within minutes on a CPU.
     The quickstart uses the untied one: the tied one learns the format but not the weak prior (its
     digit embeddings double as output rows), and GRPO from there stalls like from a format-only model.
+  - `builtin:tiny-qwen3-long-tail`: the untied one, warm-started to write a geometric number of worked
+    lines (`3+4=7;`, 4 on average) before its boxed answer: most answers short, some many times
+    longer, some cut at `rollout.max_new_tokens`, as reasoning answers are. The workload where a
+    colocated step waits for its longest answers (`bench/bench_overlap.py --task long-tail`).
 
 A build runs in a temporary directory that is renamed into place when complete, under a file lock:
 concurrent callers (e.g. the ranks of one torchrun) build once, and a killed build leaves nothing that
@@ -38,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, build_portable, spec_dict
+from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, WarmStart, build_portable, spec_dict
 from m2po_cli.config import model_source
 from m2po_cli.errors import UserError
 
@@ -48,6 +52,9 @@ BUILD_VERSION = 2
 BUILTINS: dict[str, TinyQwen3 | SmolLM2Gguf] = {
     "builtin:tiny-qwen3": TinyQwen3(tie_word_embeddings=True),
     "builtin:tiny-qwen3-untied": TinyQwen3(tie_word_embeddings=False),
+    "builtin:tiny-qwen3-long-tail": TinyQwen3(
+        tie_word_embeddings=False, warm_start=WarmStart(checks_mean=4.0, steps=600)
+    ),
     "builtin:smollm2-135m-instruct": SmolLM2Gguf(),
 }
 

@@ -281,3 +281,28 @@ def test_smollm2_recipe_prompts_are_short_and_fit():
 def test_the_recipe_schema_knows_every_builtin_and_no_other():
     """`model.path` is checked against `config.BUILTIN_MODELS` without importing the builders."""
     assert sorted(BUILTIN_MODELS) == sorted(models.BUILTINS)
+
+
+def test_the_long_tail_warm_start_teaches_a_geometric_number_of_worked_lines():
+    """`builtin:tiny-qwen3-long-tail` is taught `a+b=X;` K times before `\\boxed{X}`, K geometric with
+    the spec's mean: P(K >= k) = (1 - p)^k. A warm start without worked lines draws no random numbers
+    for them, so the other builtins' weights are what they were before the option existed."""
+    ws = models.BUILTINS["builtin:tiny-qwen3-long-tail"].warm_start
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.cat([builtin_models._num_checks(ws, gen) for _ in range(2000)]).double()
+    assert len(draws) == 2000 * ws.batch_size
+    assert abs(draws.mean().item() - ws.checks_mean) < 0.05
+    keep = ws.checks_mean / (1 + ws.checks_mean)
+    for k in (1, 4, 16):
+        assert abs((draws >= k).double().mean().item() - keep**k) < 0.01
+
+    plain = models.BUILTINS["builtin:tiny-qwen3-untied"].warm_start
+    gen, state = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0).get_state()
+    assert builtin_models._num_checks(plain, gen).eq(0).all()
+    assert torch.equal(gen.get_state(), state)
+
+    tokenizer = char_tokenizer()
+    ids_BT, labels_BT = builtin_models._format_batch(tokenizer, [[3, 4], [1, 0]], [7, 5], [2, 0])
+    responses = [tokenizer.decode(row[row >= 0]) for row in labels_BT]
+    assert responses == [f"3+4=7;3+4=7;{BOXED_TOKEN}7}}{EOS_TOKEN}", f"{BOXED_TOKEN}5}}{EOS_TOKEN}"]
+    assert tokenizer.decode(ids_BT[1]).startswith(_prompt(tokenizer, "1+0"))

@@ -28,6 +28,7 @@ def command(out: Path) -> list[str]:
         "rollout.n=4",
         f"data.synthetic.num_problems={NUM_PROBLEMS}",
         f"staleness.max_staleness={MAX_STALENESS}",
+        "rollout.sync_every=2",
         "checkpoint.every=3",
         "checkpoint.keep=5",
         "checkpoint.export_hf=false",
