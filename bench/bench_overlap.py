@@ -4,12 +4,20 @@ Separate mode is worth its staleness only if the engine and the learner work at 
 step costs max(generate, train) instead of generate + train. On a 2-core machine that can be shown
 by giving each side one core of its own (one thread each): the engine (`vllm serve`, all of its
 processes) core 0, the learner (and its grader, its HTTP client, its weight writes) core 1.
-Measured in one run of this script, on the quickstart task:
+Measured in one run of this script, on one of two tasks (`--task`):
+
+- `quickstart`: the quickstart recipes as they are; every answer is a few tokens long.
+- `long-tail`: `builtin:tiny-qwen3-long-tail` with answers of up to 96 tokens: most short, some many
+  times longer, some cut at the limit, as reasoning answers are. A colocated step waits for its
+  longest answers; separate mode's engine admits new prompts in their place.
 
 1. **Each side alone**, through separate mode's own code, in a child process: the producer gathers
    `--steps` steps' worth of groups from the server with the learner idle (generation alone, per
-   step), then the learner settles (grades, packs) and trains on them, pushing its weights to the
-   server every `--sync-every` updates, with the engine idle (training alone, per step).
+   step); then it generates `--steps / 2` steps again in batches, each step's prompts together and the
+   next step's once the last answer is in, as colocated mode generates (in batches / alone is what
+   the long tail costs a step that waits for it); then the learner settles (grades, packs) and trains
+   on the groups, pushing its weights to the server every `sync_every` updates, with the engine idle
+   (training alone, per step).
 2. **Separate**: `m2po train` in separate mode, both sides at once, each on its core.
 3. **Colocated on both cores**: `m2po train` in colocated mode, the mode separate mode must beat.
 
@@ -19,11 +27,14 @@ median with each repeat's value.
 
 Printed: the time per step and samples/s of each, the overlap efficiency
 `max(generate, train) / separate time per step` (1.0 is a perfect overlap; the figure that carries to
-GPUs, where each side has its own devices), separate over colocated samples/s, the learner's and
-the engine's idle fractions, the mean staleness, and the share of generated tokens that were
-trained. Steady state: the first `--warmup` steps of every run are left out.
+GPUs, where each side has its own devices), separate over colocated samples/s, the answer lengths
+(median, p90, p99, max, the share cut at the limit), the learner's and the engine's idle fractions
+(the engine's split by why), the engine's tokens/s while not idle against generation alone's, the
+mean staleness, and the share of generated tokens that were trained. Steady state: the first
+`--warmup` steps of every run are left out. `--staleness` and `--sync-every` override
+quickstart-separate.toml's `max_staleness` and `sync_every`.
 
-    .venv/bin/python bench/bench_overlap.py [--steps 40] [--warmup 8] [--staleness 4] [--sync-every 1] [--repeats 3]
+    .venv/bin/python bench/bench_overlap.py [--task quickstart|long-tail] [--steps 40] [--warmup 8] [--repeats 3]
 
 What it predicts for the 8B recipe is worked out in docs/staleness.md.
 """
@@ -121,6 +132,15 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         generate = (time.perf_counter() - t0) / (steps - 1)
         producer.stop()
         lengths = [(len(c.token_ids), not c.finished) for g in groups for group in g for c in group.rows]
+        # Generation alone in batches, as colocated mode generates: a step's prompts admitted together
+        # (a bound of 0 at version 0 admits one step), the next step's once the last one has finished.
+        t0 = time.perf_counter()
+        for _ in range(args.steps // 2):
+            batch_producer = RolloutProducer([server], prompts, recipe.rollout, per_step, 0, 0)
+            batch_producer.start()
+            batch_producer.take(per_step, 0)
+            batch_producer.stop()
+        in_batches = (time.perf_counter() - t0) / (args.steps // 2)
         # The learner's side alone: settle, train, push to the (idle) engine as separate mode does.
         learner = Learner(model_dir, recipe)
         recorder = Recorder(out, recipe.inspect, 0, 0, 1)
@@ -137,7 +157,8 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
                 train_on(batch, learner, loss_fn, transport.after_update, recipe, recorder, step)
                 times.append(time.perf_counter() - t0)
         transport.close()
-        return generate, sum(times[args.warmup :]) / len(times[args.warmup :]), lengths
+        train = sum(times[args.warmup :]) / len(times[args.warmup :])
+        return generate, train, lengths, in_batches
     finally:
         server.close()
 
@@ -152,7 +173,7 @@ def separate_sets(args: argparse.Namespace) -> list[str]:
     return sets
 
 
-def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float, list]:
+def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float, list, float]:
     """`alone` in a fresh process pinned as separate mode pins its learner (this script again,
     `--alone-only`), so each repeat's baseline starts as cold as its runs; its figures."""
     out.mkdir(parents=True)
@@ -171,12 +192,21 @@ def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float, l
     if done.returncode:
         sys.exit(f"the alone phase failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     print(f"  alone: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    generate, train, lengths = json.loads(done.stdout.strip().splitlines()[-1])
-    return generate, train, lengths
+    generate, train, lengths, in_batches = json.loads(done.stdout.strip().splitlines()[-1])
+    return generate, train, lengths, in_batches
 
 
 def mean(steps: list[dict], key: str) -> float:
     return sum(m[key] for m in steps) / len(steps)
+
+
+def tokens_per_s(runs: list[list[dict]], samples: int = 32 * 8) -> float:
+    """Response tokens trained per second, the median over runs (samples/s alone would favour the
+    mode whose policy happens to write shorter answers)."""
+    return statistics.median(
+        sum(m["rollout/response_tokens_mean"] * samples for m in steps) / sum(m["time/step"] for m in steps)
+        for steps in runs
+    )
 
 
 def main() -> None:
@@ -220,7 +250,9 @@ def main() -> None:
     lengths = sorted(n for b in baselines for n, _ in b[2])
     cut = sum(c for b in baselines for _, c in b[2]) / len(lengths)
     quantile = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
+    batched = [b[3] for b in baselines]
     generate, train = statistics.median(generates), statistics.median(trains)
+    in_batches = statistics.median(batched)
     every = [m for steps in separate for m in steps]
     # Over whole runs: what the engines generated, and what of it was trained before the run ended.
     trained_tokens = sum(m["rollout/response_tokens_mean"] * samples for steps in whole for m in steps)
@@ -228,16 +260,21 @@ def main() -> None:
     each = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     rows = [
         ("generation alone, one core", f"{generate:.3f} s/step", f"({each(generates)})"),
+        (
+            "generation alone in batches, one core",
+            f"{in_batches:.3f} s/step",
+            f"({each(batched)}); the long tail's cost, in batches / alone: {in_batches / generate:.2f}x",
+        ),
         ("learner alone, one core", f"{train:.3f} s/step", f"({each(trains)})"),
         (
             "separate, one core each",
             f"{sep_step:.3f} s/step",
-            f"{samples / sep_step:.0f} samples/s  ({each(sep_steps)})",
+            f"{samples / sep_step:.0f} samples/s  {tokens_per_s(separate):.0f} tokens/s  ({each(sep_steps)})",
         ),
         (
             "colocated, both cores",
             f"{col_step:.3f} s/step",
-            f"{samples / col_step:.0f} samples/s  ({each(col_steps)})",
+            f"{samples / col_step:.0f} samples/s  {tokens_per_s(colocated):.0f} tokens/s  ({each(col_steps)})",
         ),
     ]
     width = max(len(r[0]) for r in rows)
