@@ -183,7 +183,11 @@ class RolloutConfig(EngineTable):
         "auto: nccl where CUDA is available, else shm.",
     )
     sync_every: int = field(
-        1, "Separate mode: send the weights to the engines every this many updates.", ge=1
+        1,
+        "Separate mode: send the weights to the engines every this many updates. A sync pauses the "
+        "engines and makes them recompute the KV cache of their requests in flight; the engines' "
+        "weights lag the learner's by up to sync_every - 1 updates (docs/staleness.md).",
+        ge=1,
     )
     server_start_timeout_s: float = field(
         600.0, "Separate mode: seconds a started server may take to answer /health.", gt=0
