@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -87,6 +88,8 @@ class RolloutProducer:
         run_seed: int = 0,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
+        # The completions' text, decoded here rather than on the engines' side.
+        self.decode = functools.partial(prompts.tokenizer.decode, skip_special_tokens=True)
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.per_update, self.max_staleness = prompts_per_update, max_staleness
         self.settle = settle
@@ -293,7 +296,7 @@ class RolloutProducer:
                 text = await response.text()
             if response.status != 200:
                 raise EngineError(f"{url}{GENERATE}: HTTP {response.status}: {one_line(text)}")
-            completions = parse_completions(json.loads(text))
+            completions = parse_completions(json.loads(text), self.decode)
         except EngineError as e:
             self._fail(e)
             return

@@ -267,18 +267,19 @@ def one_line(text: str, limit: int = 200) -> str:
 
 def sampling_body(prompt: list[int], cfg: RolloutConfig, seed: int, model: str = SERVED_NAME) -> dict:
     """A `GENERATE` request for `n` samples of one tokenized prompt, untruncated sampling seeded
-    per request (`settings.request_seed`), the decoded text returned beside the tokens."""
+    per request (`settings.request_seed`). Tokens out, not text: the server does no per-token
+    detokenizing on the engine's side (the run decodes the text itself, `parse_completions`)."""
     return {
         "model": model,
         "token_ids": prompt,
-        "sampling_params": {**rollout_sampling(cfg, seed), "skip_special_tokens": True},
-        "output_mode": "text",
+        "sampling_params": {**rollout_sampling(cfg, seed), "detokenize": False},
+        "output_mode": "tokens",
     }
 
 
-def parse_completions(response: dict) -> list[Completion] | None:
+def parse_completions(response: dict, decode: Callable[[list[int]], str]) -> list[Completion] | None:
     """The `n` completions of one `GENERATE` response in sample order, each token with the weight
-    version that sampled it; None if the engine aborted the request."""
+    version that sampled it and its text `decode(token_ids)`; None if the engine aborted the request."""
     choices = sorted(response["choices"], key=lambda c: c["index"])
     if any(c["finish_reason"] == "abort" for c in choices):
         return None
@@ -286,7 +287,7 @@ def parse_completions(response: dict) -> list[Completion] | None:
         Completion(
             token_ids=list(c["token_ids"]),
             logprobs=[float(entry["logprob"]) for entry in c["logprobs"]["content"]],
-            text=c["text"],
+            text=decode(c["token_ids"]),
             finished=is_finished(c["finish_reason"]),
             versions=token_versions(c.get("weight_versions"), len(c["token_ids"])),
         )

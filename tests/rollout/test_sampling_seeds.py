@@ -4,6 +4,8 @@ takes too: vLLM's per-request generator, not a global one)."""
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import pytest
 from transformers import AutoTokenizer
@@ -31,6 +33,7 @@ def test_a_seed_decides_a_prompts_samples_whatever_the_batch_and_the_engine(tmp_
     recipe = recipe_for(tmp_path, f'model.path="{MODEL}"')
     model_dir = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     prompts = [encode_prompt(tokenizer, "{problem}", f"{a}+{b}") for a, b in SUMS]
     seeds = [request_seed(recipe.run.seed, 0, i) for i in range(len(prompts))]
     engine = VLLMEngine(model_dir, recipe.rollout, "float32", recipe.max_model_len)
@@ -48,7 +51,7 @@ def test_a_seed_decides_a_prompts_samples_whatever_the_batch_and_the_engine(tmp_
         server.set_version(0)  # versions are numbers here (the learner's)
         bodies = [sampling_body(p, recipe.rollout, seed) for p, seed in zip(prompts[:3], seeds, strict=False)]
         served = [
-            parse_completions(httpx.post(f"{server.url}{GENERATE}", json=b, timeout=60).json())
+            parse_completions(httpx.post(f"{server.url}{GENERATE}", json=b, timeout=60).json(), decode)
             for b in bodies
         ]
     finally:

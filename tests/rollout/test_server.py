@@ -70,15 +70,17 @@ def tokenizer():
 class HTTPEngine:
     """`generate` served over HTTP, for `sampled_batch`; `logprob_gap` reads its `server`."""
 
-    def __init__(self, server: EngineServer, recipe):
+    def __init__(self, server: EngineServer, recipe, tokenizer):
         self.server, self.recipe = server, recipe
+        self.decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
 
     def generate(self, prompts, seeds):
         return [self._sample(p, seed) for p, seed in zip(prompts, seeds, strict=True)]
 
     def _sample(self, prompt, seed):
         body = sampling_body(prompt, self.recipe.rollout, seed)
-        return parse_completions(httpx.post(f"{self.server.url}{GENERATE}", json=body, timeout=60).json())
+        response = httpx.post(f"{self.server.url}{GENERATE}", json=body, timeout=60).json()
+        return parse_completions(response, self.decode)
 
 
 def probe(tokenizer):
@@ -90,11 +92,15 @@ def probe(tokenizer):
 
 def test_samples_carry_tokens_and_behaviour_logprobs(served, tokenizer):
     recipe, server, learner = served
-    engine = HTTPEngine(server, recipe)
+    engine = HTTPEngine(server, recipe, tokenizer)
     batch = sampled_batch(engine, tokenizer, recipe, learner.version)
     assert batch.num_rows == 4 * recipe.rollout.n
     responses_B = batch.response_len_B
     assert bool((responses_B > 0).all()) and batch.behaviour_R.numel() == int(responses_B.sum())
+    # The server returns tokens only; the text the grader reads is decoded on the run's side.
+    completions = engine.generate([encode_prompt(tokenizer, "{problem}", "3+4")], [0])[0]
+    assert all(c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions)
+    assert sum(c.text.startswith("\\boxed{") for c in completions) >= len(completions) // 2, completions
     # The engine's logprobs of its own samples are the learner's at the same weights (processed mode).
     offsets, starts = batch.offsets_B1.tolist(), batch.response_offsets().tolist()
     sequences = [batch.tokens_N[offsets[b] : offsets[b + 1]].tolist() for b in range(batch.num_rows)]
@@ -107,7 +113,7 @@ def test_samples_carry_tokens_and_behaviour_logprobs(served, tokenizer):
 
 def test_shm_sync_makes_server_match_learner(served, tokenizer, tmp_path):
     recipe, server, learner = served
-    engine = HTTPEngine(server, recipe)
+    engine = HTTPEngine(server, recipe, tokenizer)
     sequences = probe(tokenizer)
     transport = ShmWeightTransport(0, 1, torch.float32, functools.partial(swap_weights, [server]), tag="test")
     try:

@@ -90,7 +90,7 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-            engine, sequences = HTTPEngine(server, recipe), probe(tokenizer)
+            engine, sequences = HTTPEngine(server, recipe, tokenizer), probe(tokenizer)
             transport.push(learner)
             assert logprob_gap(engine, learner, sequences) < 1e-4
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)

@@ -28,7 +28,7 @@ def command(out: Path) -> list[str]:
         "rollout.n=4",
         f"data.synthetic.num_problems={NUM_PROBLEMS}",
         f"staleness.max_staleness={MAX_STALENESS}",
-        "rollout.sync_every=2",
+        "rollout.sync_every=1",
         "checkpoint.every=3",
         "checkpoint.keep=5",
         "checkpoint.export_hf=false",
@@ -100,6 +100,31 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
     steps = records(run_dir, "metrics.jsonl")
     assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
     assert sum(m["rollout/regenerated"] for m in steps) == 0, "a weight sync threw work away"
+
+
+def test_an_engine_synced_every_few_updates_lags_and_the_bound_still_holds(tmp_path):
+    """With a sync every 3 updates the engine's weights lag the learner's by up to 2 updates: the
+    tokens trained at a version 2 past a sync are all at least 2 stale, and none beyond the bound."""
+    bound, every = 3, 3
+    cmd = command(tmp_path) + [
+        "--set",
+        f"rollout.sync_every={every}",
+        "--set",
+        f"staleness.max_staleness={bound}",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "quickstart-separate"
+    versions = {r["step"]: r["version"] for r in records(run_dir, "trained_prompts.jsonl")}
+    steps = records(run_dir, "metrics.jsonl")
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    assert all(m["staleness/max"] <= bound for m in steps)
+    lagging = [m for m in steps if versions[m["step"]] % every == every - 1]
+    assert lagging and all(m["staleness/min"] >= every - 1 for m in lagging), [
+        (m["step"], versions[m["step"]], m["staleness/min"]) for m in steps
+    ]
+    assert sum(m["perf/weight_syncs"] for m in steps) == STEPS // every
 
 
 def test_an_attached_server_that_refuses_connections_stops_the_run_at_once_in_one_line(tmp_path):
