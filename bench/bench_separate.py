@@ -55,6 +55,8 @@ def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, 
         if mode == "separate"
         else f"staleness.s={args.staleness}",
     ]
+    if mode == "separate":  # the engine synced after every update: its staleness is at most s
+        sets.append("rollout.sync_every=1")
     cmd = [sys.executable, "-m", "m2po_cli", "train", str(recipe), *(a for s in sets for a in ("--set", s))]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True)
