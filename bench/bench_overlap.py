@@ -172,9 +172,14 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         server.close()
 
 
+def task_sets(args: argparse.Namespace) -> list[str]:
+    """The task's changes to either quickstart recipe, and the run's length."""
+    return [*TASKS[args.task], f"run.steps={args.steps}"]
+
+
 def separate_sets(args: argparse.Namespace) -> list[str]:
     """The task's and the command line's changes to quickstart-separate.toml."""
-    sets = [*TASKS[args.task], f"run.steps={args.steps}"]
+    sets = task_sets(args)
     if args.staleness is not None:
         sets.append(f"staleness.max_staleness={args.staleness}")
     if args.sync_every is not None:
@@ -249,7 +254,7 @@ def main() -> None:
             sets = separate_sets(args)
             whole.append(run(f"separate-{r}", "quickstart-separate.toml", sets, True, out))
             separate.append(whole[-1][args.warmup :])
-            sets = [*TASKS[args.task], f"run.steps={args.steps}", "staleness.s=0"]
+            sets = [*task_sets(args), "staleness.s=0"]
             colocated.append(run(f"colocated-{r}", "quickstart.toml", sets, False, out)[args.warmup :])
     samples = 32 * 8
     sep_steps = [mean(steps, "time/step") for steps in separate]

