@@ -8,8 +8,10 @@ Measured in one run of this script, on one of two tasks (`--task`):
 
 - `quickstart`: the quickstart recipes as they are; every answer is a few tokens long.
 - `long-tail`: `builtin:tiny-qwen3-long-tail` with answers of up to 128 tokens: most short, some many
-  times longer, some cut at the limit, as reasoning answers are. A colocated step waits for its
-  longest answers; separate mode's engine admits new prompts in their place.
+  times longer, some cut at the limit, as reasoning answers are, 4 prompts x 8 a step. A colocated
+  step waits for its longest answers; separate mode's engine admits new prompts in their place. What
+  the wait costs depends on the step's size against the batch at which an engine step's fixed cost
+  equals its per-sequence cost (`bench/bench_engine_steps.py`); `--prompts-per-step` changes it.
 
 1. **Each side alone**, through separate mode's own code, in a child process: the producer gathers
    `--steps` steps' worth of groups from the server with the learner idle (generation alone, per
@@ -34,7 +36,8 @@ mean staleness, and the share of generated tokens that were trained. Steady stat
 `--warmup` steps of every run are left out. `--staleness` and `--sync-every` override
 quickstart-separate.toml's `max_staleness` and `sync_every`.
 
-    .venv/bin/python bench/bench_overlap.py [--task quickstart|long-tail] [--steps 40] [--warmup 8] [--repeats 3]
+    .venv/bin/python bench/bench_overlap.py [--task quickstart|long-tail] [--repeats 3]
+        [--steps N] [--warmup N] [--prompts-per-step P] [--staleness S] [--sync-every U]
 
 What it predicts for the 8B recipe is worked out in docs/staleness.md.
 """
@@ -76,8 +79,16 @@ TASKS = {
         "optim.lr=5e-5",
         # Rows sorted by length and cut at a token budget, so short rows are not padded to long ones.
         "train.micro_batch_tokens=4096",
+        # 4 prompts x 8 = 32 sequences a step, near the batch B* at which a CPU engine step's fixed
+        # cost equals its per-sequence cost (bench/bench_engine_steps.py: about 24), as an 8B engine's
+        # batch is a few times its own B*. At 32 prompts a step (256 sequences, 11 B*) a CPU step
+        # costs in proportion to its sequences and a thinning tail is cheap (`--prompts-per-step 32`).
+        "rollout.prompts_per_step=4",
     ],
 }
+# Steps and warm-up per task: a long-tail step is 8x smaller, and its buffer fills in about
+# max_staleness steps.
+LENGTHS = {"quickstart": (40, 8), "long-tail": (120, 16)}
 ENGINE_CORE, LEARNER_CORE = 0, 1
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE)}
 
@@ -174,7 +185,8 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
 
 def task_sets(args: argparse.Namespace) -> list[str]:
     """The task's changes to either quickstart recipe, and the run's length."""
-    return [*TASKS[args.task], f"run.steps={args.steps}"]
+    sets = [*TASKS[args.task], f"run.steps={args.steps}"]
+    return sets + ([f"rollout.prompts_per_step={args.prompts_per_step}"] if args.prompts_per_step else [])
 
 
 def separate_sets(args: argparse.Namespace) -> list[str]:
@@ -193,6 +205,7 @@ def alone_in_child(args: argparse.Namespace, out: Path) -> tuple[float, float, l
     out.mkdir(parents=True)
     cmd = [sys.executable, __file__, "--alone-only", str(out), "--task", args.task]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--prompts-per-step", str(args.prompts_per_step)] if args.prompts_per_step else []
     cmd += ["--sync-every", str(args.sync_every)] if args.sync_every is not None else []
     cmd += ["--staleness", str(args.staleness)] if args.staleness is not None else []
     t0 = time.perf_counter()
@@ -214,7 +227,7 @@ def mean(steps: list[dict], key: str) -> float:
     return sum(m[key] for m in steps) / len(steps)
 
 
-def tokens_per_s(runs: list[list[dict]], samples: int = 32 * 8) -> float:
+def tokens_per_s(runs: list[list[dict]], samples: int) -> float:
     """Response tokens trained per second, the median over runs (samples/s alone would favour the
     mode whose policy happens to write shorter answers)."""
     return statistics.median(
@@ -225,9 +238,12 @@ def tokens_per_s(runs: list[list[dict]], samples: int = 32 * 8) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=8, help="steps left out of every figure")
     parser.add_argument("--task", choices=sorted(TASKS), default="quickstart")
+    parser.add_argument(
+        "--steps", type=int, help="steps of every run (default: quickstart 40, long-tail 120)"
+    )
+    parser.add_argument("--warmup", type=int, help="steps left out of every figure (default: 8, 16)")
+    parser.add_argument("--prompts-per-step", type=int, help="the task's rollout.prompts_per_step, changed")
     parser.add_argument("--staleness", type=int, help="separate mode's max_staleness (default: the recipe's)")
     parser.add_argument(
         "--sync-every", type=int, help="separate mode's rollout.sync_every (default: the recipe's)"
@@ -237,6 +253,9 @@ def main() -> None:
     )
     parser.add_argument("--alone-only", type=Path, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    steps, warmup = LENGTHS[args.task]
+    args.steps = args.steps or steps
+    args.warmup = args.warmup if args.warmup is not None else warmup
     if args.alone_only:
         print(json.dumps(alone(args, args.alone_only)))
         return
@@ -256,7 +275,10 @@ def main() -> None:
             separate.append(whole[-1][args.warmup :])
             sets = [*task_sets(args), "staleness.s=0"]
             colocated.append(run(f"colocated-{r}", "quickstart.toml", sets, False, out)[args.warmup :])
-    samples = 32 * 8
+    from m2po_cli.config import load_recipe
+
+    rollout = load_recipe(ROOT / "recipes" / "quickstart-separate.toml", separate_sets(args)).rollout
+    samples = rollout.prompts_per_step * rollout.n
     sep_steps = [mean(steps, "time/step") for steps in separate]
     col_steps = [mean(steps, "time/step") for steps in colocated]
     sep_step, col_step = statistics.median(sep_steps), statistics.median(col_steps)
@@ -283,17 +305,17 @@ def main() -> None:
         (
             "separate, one core each",
             f"{sep_step:.3f} s/step",
-            f"{samples / sep_step:.0f} samples/s  {tokens_per_s(separate):.0f} tokens/s  ({each(sep_steps)})",
+            f"{samples / sep_step:.0f} samples/s  {tokens_per_s(separate, samples):.0f} tokens/s  ({each(sep_steps)})",
         ),
         (
             "colocated, both cores",
             f"{col_step:.3f} s/step",
-            f"{samples / col_step:.0f} samples/s  {tokens_per_s(colocated):.0f} tokens/s  ({each(col_steps)})",
+            f"{samples / col_step:.0f} samples/s  {tokens_per_s(colocated, samples):.0f} tokens/s  ({each(col_steps)})",
         ),
     ]
     width = max(len(r[0]) for r in rows)
     print(
-        f"\n{args.task} task, 32 x 8 samples per step, steps {args.warmup}..{args.steps - 1}, "
+        f"\n{args.task} task, {rollout.prompts_per_step} x {rollout.n} samples per step, steps {args.warmup}..{args.steps - 1}, "
         f"medians of {args.repeats} runs:"
     )
     for name, step, rate in rows:
