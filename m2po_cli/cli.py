@@ -225,7 +225,15 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click.option("--json", "as_json", is_flag=True, help="Print every number as JSON instead of tables.")
 @click.option("--plot", "plot_dir", metavar="DIR", help="Write PNG figures (reward, clipped share) into DIR.")
-def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> None:
+@click.option(
+    "--x",
+    "x",
+    type=click.Choice(["updates", "tokens", "seconds"]),
+    default="updates",
+    show_default=True,
+    help="The figures' x-axis: optimizer updates, generated tokens or wall seconds (runs at equal cost).",
+)
+def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: str) -> None:
     """Several runs side by side; runs of one recipe that differ only in run.seed form one arm.
 
     Reads each RUN_DIR's metrics.jsonl and config.toml (never starts vLLM or builds a model).
@@ -233,7 +241,7 @@ def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> N
     from m2po_cli.inspection.compare import command
 
     try:
-        command(run_dirs, as_json, plot_dir)
+        command(run_dirs, as_json, plot_dir, x)
     except UserError as e:
         _fail(str(e))
 

@@ -409,6 +409,44 @@ class StalenessConfig(Table):
         return data
 
 
+class ReuseConfig(Table):
+    """Training on each rollout more than once. `epochs`: every rollout batch is trained `epochs`
+    times over, one mini-batch after another (TRL's `num_iterations`, verl's `ppo_epochs`).
+    `replay`: the learner keeps the last `buffer` rollout batches it trained, and every update trains
+    its fresh groups plus `replay` times as many groups drawn from them by `rule`, none older than
+    `max_age` updates. Every token keeps the behaviour logprob and the version that sampled it, so its
+    importance ratio is exact and the loss decides what it contributes; a group is replayed whole."""
+
+    mode: Literal["off", "epochs", "replay"] = field("off", "off, epochs or replay.")
+    epochs: int = field(2, "epochs: passes over every rollout batch.", ge=1)
+    buffer: int = field(4, "replay: rollout batches the buffer holds, the newest.", ge=1)
+    replay: float = field(
+        1.0, "replay: groups replayed per update, as a multiple of the update's fresh groups.", gt=0
+    )
+    rule: Literal["uniform", "freshest", "advantage"] = field(
+        "uniform",
+        "replay: how an update draws its groups: uniform (at random), freshest (the newest policy "
+        "versions first), advantage (at random, in proportion to the group's mean |advantage|; groups "
+        "whose rewards are all equal carry no gradient and are never drawn).",
+    )
+    max_age: int = field(
+        32,
+        "replay: the most updates between a replayed group's policy version and the update that trains it.",
+        ge=1,
+    )
+
+    @model_validator(mode="after")
+    def _check_epochs(self) -> ReuseConfig:
+        if self.mode == "epochs" and self.epochs < 2:
+            raise ValueError(f"epochs: must be >= 2 in epochs mode; 1 is mode = off (got {self.epochs})")
+        return self
+
+    @property
+    def epochs_per_batch(self) -> int:
+        """Passes over each rollout batch: `epochs` in epochs mode, else 1."""
+        return self.epochs if self.mode == "epochs" else 1
+
+
 class CheckpointConfig(Table):
     every: int = field(0, "Save a DCP checkpoint every this many steps; 0: none on the way.", ge=0)
     final: bool = field(
@@ -470,6 +508,7 @@ class Recipe(Table):
     )
     optim: OptimConfig = field(OptimConfig(), "Optimizer and schedule.")
     staleness: StalenessConfig = field(StalenessConfig(), "Staleness injection.")
+    reuse: ReuseConfig = field(ReuseConfig(), "Training on each rollout more than once.")
     checkpoint: CheckpointConfig = field(CheckpointConfig(), "Checkpoints and export.")
     logging: LoggingConfig = field(LoggingConfig(), "Metrics sinks.")
     inspect: InspectConfig = field(InspectConfig(), "Token-level records for `m2po inspect`.")
@@ -528,8 +567,14 @@ class Recipe(Table):
         )
 
     @property
-    def updates_per_step(self) -> int:
+    def mini_batches(self) -> int:
+        """Optimizer updates per pass over a rollout batch."""
         return self.rollout.prompts_per_step // self.prompts_per_update
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per step: the mini-batches of every pass (`reuse.epochs` passes in epochs mode)."""
+        return self.mini_batches * self.reuse.epochs_per_batch
 
     @property
     def max_model_len(self) -> int:

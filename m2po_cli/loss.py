@@ -39,6 +39,7 @@ from m2po_cli.second_moment import (
 )
 
 Metrics = dict[str, Tensor]
+NUM_SPLITS = 9  # token classes of `split_BT`: fresh, then replayed by age 1, 2-3, 4-7, ..., 128 and more
 QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 
@@ -81,7 +82,11 @@ class PolicyLoss(Protocol):
         mask_BT: Tensor,
         aux_BT: Tensor | None,
         num_tokens: int | Tensor,
-    ) -> tuple[Tensor, Metrics]: ...
+        split_BT: Tensor | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        """`split_BT`: each token's class (int64, 0 to `NUM_SPLITS` - 1: fresh, or a replayed token's
+        age bucket, `reuse.age_bucket`); with it the metrics count the valid and the clipped or
+        masked tokens of every class (`loss/split_tokens_k`, `loss/split_clipped_k`)."""
 
 
 def build_loss(cfg: LossConfig) -> PolicyLoss:
@@ -133,13 +138,14 @@ def _token_metrics(
     valid_BT: Tensor,
     clipped_BT: Tensor | None,
     denom: float | Tensor,
+    split_BT: Tensor | None = None,
 ) -> Metrics:
     """Additive metrics of one micro-batch: raw (pre-clip) ratios, trust region, clipped or masked tokens.
 
     `log_ratio_BT` is 0 on padding. Fractions are of the optimizer batch's valid tokens (`denom`),
     so summing them over micro-batches and ranks gives the global fraction. `clipped_BT`: valid
     tokens whose gradient the loss removes (clipped or masked; all have A != 0), split by the sign
-    of A into `_pos` and `_neg`.
+    of A into `_pos` and `_neg`; with `split_BT`, counted by token class too.
     """
     log_ratio_BT = log_ratio_BT.detach()
     sign_BT = advantages_BT.sign()
@@ -149,6 +155,14 @@ def _token_metrics(
         "loss/abs_log_ratio_mean": torch.where(valid_BT, log_ratio_BT.abs(), 0.0).sum() / denom,
         "loss/tr_frac": torch.count_nonzero(log_ratio_BT * sign_BT > 0) / denom,
     }
+    if split_BT is not None:
+        split_BT = split_BT.to(valid_BT.device)
+        affected_BT = valid_BT & clipped_BT if clipped_BT is not None else torch.zeros_like(valid_BT)
+        tokens_S = torch.bincount(split_BT[valid_BT], minlength=NUM_SPLITS)
+        clipped_S = torch.bincount(split_BT[affected_BT], minlength=NUM_SPLITS)
+        for k in range(NUM_SPLITS):
+            metrics[f"loss/split_tokens_{k}"] = tokens_S[k]
+            metrics[f"loss/split_clipped_{k}"] = clipped_S[k]
     if clipped_BT is None:
         zero = torch.zeros((), device=log_ratio_BT.device)
         return metrics | {"loss/clip_frac": zero, "loss/clip_frac_pos": zero, "loss/clip_frac_neg": zero}
@@ -211,7 +225,9 @@ class GRPO(_NoGlobalPass):
 
     cfg: GRPOLoss
 
-    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+    def __call__(
+        self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
+    ):
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
         log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "grpo")
         ratio_BT = log_ratio_BT.exp()
@@ -227,7 +243,9 @@ class GRPO(_NoGlobalPass):
             clipped_BT = clipped_BT | dual_BT
             metrics["loss/dual_clip_frac"] = torch.count_nonzero(dual_BT) / denom
         loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+        return loss, _token_metrics(
+            log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
+        ) | metrics
 
 
 @dataclass(frozen=True)
@@ -236,11 +254,13 @@ class NoTR(_NoGlobalPass):
 
     cfg: NoTRLoss
 
-    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+    def __call__(
+        self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
+    ):
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
         log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "no_tr")
         loss = -(log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, None, denom)
+        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, None, denom, split_BT)
 
 
 @dataclass(frozen=True)
@@ -279,7 +299,9 @@ class M2PO:
         }
         return keep_BT, metrics
 
-    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+    def __call__(
+        self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
+    ):
         if aux_BT is None:
             raise ValueError(
                 "m2po: no mask; call prepare() on the whole optimizer batch before the first backward"
@@ -289,7 +311,9 @@ class M2PO:
         # Masked tokens take log r = 0 and A = 0: their gradient is an exact 0, never 0 * inf.
         ratio_BT = torch.where(aux_BT, log_ratio_BT, 0.0).exp()
         loss = -(ratio_BT * torch.where(aux_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, valid_BT & ~aux_BT, denom)
+        return loss, _token_metrics(
+            log_ratio_BT, advantages_BT, valid_BT, valid_BT & ~aux_BT, denom, split_BT
+        )
 
 
 @dataclass(frozen=True)
@@ -331,7 +355,9 @@ class M2POCap:
         }
         return cap, metrics, tr.num
 
-    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+    def __call__(
+        self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
+    ):
         """Micro-batch scope: `m2po/cap`, `m2po/m2_before`, `m2po/m2_after` come weighted by the
         micro-batch's share of the batch's tokens, so their sums are token-weighted means."""
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
@@ -354,7 +380,9 @@ class M2POCap:
         # release. For trust-region tokens sign(log r) = sign(A).
         clipped_log_ratio_BT = torch.where(clipped_BT, advantages_BT.sign() * cap, log_ratio_BT)
         loss = -(clipped_log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+        return loss, _token_metrics(
+            log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
+        ) | metrics
 
 
 @dataclass(frozen=True)
@@ -370,7 +398,9 @@ class GSPO(_NoGlobalPass):
 
     cfg: GSPOLoss
 
-    def __call__(self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens):
+    def __call__(
+        self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
+    ):
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
         log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "gspo")
         length_B1 = torch.count_nonzero(valid_BT, dim=-1).unsqueeze(-1)
@@ -381,7 +411,9 @@ class GSPO(_NoGlobalPass):
         clipped_BT = valid_BT & (clipped_surrogate_BT < surrogate_BT)
         loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
         metrics = {"loss/seq_ratio_mean": (seq_ratio_B1.detach() * length_B1).sum() / denom}
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom) | metrics
+        return loss, _token_metrics(
+            log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
+        ) | metrics
 
 
 _LOSSES = {GRPOLoss: GRPO, NoTRLoss: NoTR, M2POLoss: M2PO, M2POCapLoss: M2POCap, GSPOLoss: GSPO}

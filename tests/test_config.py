@@ -195,6 +195,29 @@ MALFORMED = [
         "data.prompt_template",
         {'prompt_template = "{problem}"': 'prompt_template = "{problem} {x}"'},
     ),
+    (
+        "reuse_unknown_rule",
+        "reuse.rule",
+        {"[checkpoint]\n": '[reuse]\nmode = "replay"\nrule = "lifo"\n\n[checkpoint]\n'},
+    ),
+    (
+        "reuse_unknown_key",
+        "reuse.buffr",
+        {"[checkpoint]\n": '[reuse]\nmode = "replay"\nbuffr = 3\n\n[checkpoint]\n'},
+    ),
+    ("reuse_unknown_mode", "reuse.mode", {"[checkpoint]\n": '[reuse]\nmode = "ppo"\n\n[checkpoint]\n'}),
+    ("reuse_replay_zero", "reuse.replay", {"[checkpoint]\n": "[reuse]\nreplay = 0.0\n\n[checkpoint]\n"}),
+    (
+        "reuse_one_epoch",
+        "reuse.epochs",
+        {"[checkpoint]\n": '[reuse]\nmode = "epochs"\nepochs = 1\n\n[checkpoint]\n'},
+    ),
+    # 3 passes of one update each: s = 4 is not a multiple of the 3 updates per rollout batch.
+    (
+        "reuse_epochs_staleness",
+        "staleness.s",
+        {"[checkpoint]\n": '[reuse]\nmode = "epochs"\nepochs = 3\n\n[checkpoint]\n'},
+    ),
     ("invalid_toml", None, {"steps = 200": "steps = = 200"}),
     ("missing_model", "model", {'[model]\npath = "builtin:tiny-qwen3-untied"\n': ""}),
 ]

@@ -21,6 +21,8 @@ over its seeds, a band from the lowest to the highest seed).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import statistics
@@ -226,59 +228,78 @@ def compare(runs: list[Run]) -> dict:
 POLICY = "policy"  # FIGURES' key for the reward against the policy version (`policy_rewards`)
 
 
-def series(run: Run, key: str) -> list[tuple[float, float]] | None:
-    """(x, y) a step: `key` against the updates done after the step (`optim/version`), or for
-    `POLICY` the reward of each version's samples against the version, in version order."""
+# The x-axes of the figures: what a run has spent by the end of a step.
+X_AXES = {
+    "updates": "optimizer updates",
+    "tokens": "generated tokens",
+    "seconds": "wall seconds",
+}
+SPENT = {"tokens": "rollout/generated_tokens", "seconds": "time/step"}  # summed over the steps
+
+
+def spent(run: Run, x: str) -> list[float] | None:
+    """What the run has spent after each step on the x-axis `x`: updates done (`optim/version`), or
+    the generated tokens or wall seconds of the steps so far; None if a step does not log them."""
+    if x == "updates":
+        return [float(s.get("optim/version", i + 1)) for i, s in enumerate(run.steps)]
+    key = SPENT[x]
+    if not all(key in s for s in run.steps):
+        return None
+    return list(itertools.accumulate(float(s[key]) for s in run.steps))
+
+
+def series(run: Run, key: str, x: str = "updates") -> list[tuple[float, float]] | None:
+    """(x, y) a step: `key` against what the run has spent after the step (`spent`), or for
+    `POLICY` the reward of each version's samples against the version (on the updates axis) or
+    against what the run had spent when it reached the version, in version order."""
+    costs = spent(run, x)
+    if costs is None:
+        return None
     if key == POLICY:
         pairs = policy_rewards(run)
-        return None if pairs is None else sorted(pairs, key=lambda p: p[0])
-    return [(float(s.get("optim/version", i + 1)), s.get(key, 0.0)) for i, s in enumerate(run.steps)]
+        if pairs is None:
+            return None
+        if x != "updates":  # version v is reached after the step whose optim/version is v
+            reached = {0.0: 0.0} | {
+                float(s.get("optim/version", i + 1)): c
+                for i, (s, c) in enumerate(zip(run.steps, costs, strict=True))
+            }
+            known = sorted(reached)
+            at = lambda v: reached[known[bisect.bisect_right(known, v) - 1]]  # noqa: E731
+            pairs = [(at(v), y) for v, y in pairs]
+        return sorted(pairs, key=lambda p: p[0])
+    return [(c, s.get(key, 0.0)) for c, s in zip(costs, run.steps, strict=True)]
 
 
-def curves(members: list[Run], key: str) -> tuple[list[float], list[float], list[float], list[float]]:
+def curves(
+    members: list[Run], key: str, x: str = "updates"
+) -> tuple[list[float], list[float], list[float], list[float]]:
     """(x, mean, lowest, highest) over the arm's seeds of `series` averaged over `window` points, on
-    the points every seed reached; x is the first seed's at each window's last point."""
-    points = [series(r, key) for r in members]
+    the points every seed reached; x is the seeds' mean at each window's last point."""
+    points = [series(r, key, x) for r in members]
     n = min(len(p) for p in points)
     w = window(n)
     xs, mean, low, high = [], [], [], []
     for i in range(0, n - w + 1, w):
         values = [_mean([y for _, y in p[i : i + w]]) for p in points]
-        xs.append(float(points[0][i + w - 1][0]))
+        xs.append(math.fsum(p[i + w - 1][0] for p in points) / len(points))
         mean.append(math.fsum(values) / len(values))
         low.append(min(values))
         high.append(max(values))
     return xs, mean, low, high
 
 
-FIGURES = {  # name: (series key, title, y label, scale, x label)
-    "reward": (
-        "rollout/reward_mean",
-        "reward by step",
-        "reward (mean over the batch)",
-        1.0,
-        "optimizer updates",
-    ),
-    "clipped_or_masked": (
-        "loss/clip_frac",
-        "clipped or masked share",
-        "tokens clipped or masked (%)",
-        100.0,
-        "optimizer updates",
-    ),
-    "policy_reward": (
-        POLICY,
-        "reward by policy version",
-        "reward of the policy's samples",
-        1.0,
-        "policy version (optimizer updates)",
-    ),
+FIGURES = {  # name: (series key, title, y label, scale)
+    "reward": ("rollout/reward_mean", "reward by step", "reward (mean over the batch)", 1.0),
+    "clipped_or_masked": ("loss/clip_frac", "clipped or masked share", "tokens clipped or masked (%)", 100.0),
+    "policy_reward": (POLICY, "reward by policy version", "reward of the policy's samples", 1.0),
 }
 
 
-def figures(runs: list[Run]):
-    """One matplotlib figure per entry of FIGURES: a line per arm, a band over its seeds (no
-    `policy_reward` if a run does not log its batches' versions)."""
+def figures(runs: list[Run], x: str = "updates"):
+    """One matplotlib figure per entry of FIGURES against the x-axis `x` (`X_AXES`): a line per
+    arm, a band over its seeds (no `policy_reward` if a run does not log its batches' versions;
+    none at all if a run does not log what `x` counts)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,12 +307,13 @@ def figures(runs: list[Run]):
 
     arms = group(runs)
     out = {}
-    for name, (key, title, ylabel, scale, xlabel) in FIGURES.items():
-        if any(series(run, key) is None for run in runs):
+    for name, (key, title, ylabel, scale) in FIGURES.items():
+        if any(series(run, key, x) is None for run in runs):
             continue
+        xlabel = "policy version (optimizer updates)" if key == POLICY and x == "updates" else X_AXES[x]
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
         for label, members in arms:
-            xs, mean, low, high = curves(members, key)
+            xs, mean, low, high = curves(members, key, x)
             (line,) = ax.plot(xs, [scale * v for v in mean], label=f"{label} ({len(members)} seeds)")
             if len(members) > 1:
                 ax.fill_between(
@@ -307,13 +329,14 @@ def figures(runs: list[Run]):
     return out
 
 
-def write_figures(runs: list[Run], folder: Path) -> list[Path]:
+def write_figures(runs: list[Run], folder: Path, x: str = "updates") -> list[Path]:
+    """The figures as PNG files (`<name>.png`; on another x-axis than updates `<name>-by-<x>.png`)."""
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, fig in figures(runs).items():
-        path = folder / f"{name}.png"
+    for name, fig in figures(runs, x).items():
+        path = folder / (f"{name}.png" if x == "updates" else f"{name}-by-{x}.png")
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
@@ -370,8 +393,8 @@ def arm_table(report: dict):
     return t
 
 
-def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> None:
-    """`m2po compare`: tables (or JSON) on stdout, PNG figures into `plot_dir`."""
+def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: str = "updates") -> None:
+    """`m2po compare`: tables (or JSON) on stdout, PNG figures against `x` into `plot_dir`."""
     from rich.console import Console
 
     from m2po_cli.inspection.report import print_whole
@@ -379,7 +402,10 @@ def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None) -> N
     runs = read_runs([Path(p) for p in run_dirs])
     report = compare(runs)
     if plot_dir is not None:
-        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir))]
+        missing = [str(run.path) for run in runs if spent(run, x) is None]
+        if missing:
+            raise CompareError(f"{missing[0]}: its steps do not log {SPENT[x]}, which --x {x} plots against")
+        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir), x)]
     console = Console()
     if as_json:
         console.file.write(json.dumps(report, indent=1) + "\n")

@@ -31,6 +31,9 @@ class Batch:
     # int64, the prompt tokens each row starts with: rows with the same prompt may share its
     # computation (`shared_prompts`); None: every row is computed whole
     prompt_lengths_B: torch.Tensor | None = None
+    # int64, each row's token class for the loss's metrics (`loss.NUM_SPLITS`: fresh, or a replayed
+    # row's age bucket); None: no split
+    split_B: torch.Tensor | None = None
 
     def take(self, index_K: torch.Tensor) -> Batch:
         """Rows at `index_K`, trimmed to their own longest row (no rows: `[0, 1]`, as `to_batch`)."""
@@ -43,6 +46,7 @@ class Batch:
             self.lengths_B[index_K],
             None if self.rows_B is None else self.rows_B[index_K],
             None if self.prompt_lengths_B is None else self.prompt_lengths_B[index_K],
+            None if self.split_B is None else self.split_B[index_K],
         )
 
     @property

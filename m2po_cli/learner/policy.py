@@ -196,7 +196,8 @@ class Learner:
         else:  # a rank without rows: its idle row scores nothing but joins every collective
             part = replace(part, mask_BL=torch.zeros_like(part.mask_BL))
             aux = torch.zeros(part.mask_BL.shape, dtype=aux_BL.dtype)
-        loss, m = self._loss(loss_fn, lp, part, aux.to(self.device), num_tokens)
+        split = self._split(part, batch.split_B is not None)
+        loss, m = self._loss(loss_fn, lp, part, aux.to(self.device), num_tokens, split)
         self._backward(loss, True)
         return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
 
@@ -224,6 +225,7 @@ class Learner:
                 metrics["m2po/correction_frac"] = self._correct(batch, log_ratio_BL, aux_BL, None, 0)
                 self._provisional_z = float(metrics["m2po/threshold"])
         additive: dict[str, torch.Tensor] = {}
+        splitting = batch.split_B is not None  # the same on every rank
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
         for index, part, lp, last in self._forwards(parts):
             length = part.tokens_BL.shape[1]
@@ -231,12 +233,13 @@ class Learner:
                 lp.detach().cpu() - part.behaviour_logprobs_BL
             ) * part.mask_BL
             aux = aux_BL[index, :length].to(self.device) if aux_BL is not None else None
-            loss, m = self._loss(loss_fn, lp, part, aux, num_tokens)
+            loss, m = self._loss(loss_fn, lp, part, aux, num_tokens, self._split(part, splitting))
             self._backward(loss, last)
             _add(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
         if not batch.num_rows:  # no rows here: join the other ranks' sum with zeros of the same keys
             with torch.no_grad():
-                loss, m = loss_fn(*[torch.zeros(batch.mask_BL.shape)] * 4, aux_BL, num_tokens)
+                zeros = torch.zeros(batch.mask_BL.shape)
+                loss, m = loss_fn(*[zeros] * 4, aux_BL, num_tokens, self._split(batch, splitting))
             additive = {k: torch.zeros(()) for k in [*m, "loss/loss"]}
         return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
 
@@ -266,7 +269,7 @@ class Learner:
         self._provisional_z = float(metrics["m2po/threshold"])
         with torch.no_grad():
             args = (batch.behaviour_logprobs_BL, batch.advantages_BL, batch.mask_BL, keep_BL, num_tokens)
-            loss, m = loss_fn(current_BL, *args)
+            loss, m = loss_fn(current_BL, *args, self._split(batch, batch.split_B is not None))
         return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
 
     def _provisional_keep(self, log_ratio_BL: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -306,7 +309,7 @@ class Learner:
             self._backward(-(lp * weight).sum(), last)
         return share[0]
 
-    def _loss(self, loss_fn, lp, part, aux, num_tokens):
+    def _loss(self, loss_fn, lp, part, aux, num_tokens, split_BL=None):
         return loss_fn(
             lp,
             part.behaviour_logprobs_BL.to(self.device),
@@ -314,7 +317,16 @@ class Learner:
             part.mask_BL.to(self.device),
             aux,
             num_tokens,
+            split_BL,
         )
+
+    def _split(self, part: Batch, splitting: bool) -> torch.Tensor | None:
+        """The `[B, L]` token classes of `part` for the loss's metrics when the batch has them
+        (`splitting`, the same on every rank); a part without (an idle one) is all class 0."""
+        if not splitting:
+            return None
+        split_B = part.split_B if part.split_B is not None else torch.zeros(part.num_rows, dtype=torch.long)
+        return split_B[:, None].expand(part.mask_BL.shape).to(self.device)
 
     def _forwards(
         self, parts: list[tuple[torch.Tensor, Batch]]

@@ -11,13 +11,13 @@ recompute their KV cache under the new weights and go on sampling, so nothing is
 token carries the version that sampled it (the server's weight-version spans); a group records the
 engine version at submission, the oldest any of its tokens can have.
 
-Bounded staleness. With B prompts per optimizer update, a new prompt is admitted only while
-`admitted < (engine_version + max_staleness + 1) * B`, and the learner takes groups in admission
-order. The group admitted a-th, at version v, has a < (v + max_staleness + 1) * B, so it is trained
-by update a // B <= v + max_staleness, and its tokens, sampled at v or later, no later than
-max_staleness updates after their own version: nothing is ever dropped. Admission order also keeps
-the trained sample unbiased: a long response is trained in its turn, not after the short ones that
-overtook it.
+Bounded staleness. The learner takes groups in admission order, B prompts per optimizer update, so
+the group admitted a-th is trained last by update `last_update(a)` = a // B (with `epochs` passes
+over each step's P prompts, the mini-batch's update in the last pass). A new prompt is admitted at
+engine version v only while `last_update(admitted) <= v + max_staleness`: its tokens, sampled at v or
+later, are trained no later than max_staleness updates after their own version, and nothing is ever
+dropped. Admission order also keeps the trained sample unbiased: a long response is trained in its
+turn, not after the short ones that overtook it.
 
 Failures. A started server that exits, a request without an answer within
 `rollout.request_timeout_s`, a learner waiting that long with no group finishing, and a run of
@@ -86,19 +86,26 @@ class RolloutProducer:
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
         run_seed: int = 0,
+        epochs: int = 1,
+        prompts_per_step: int = 0,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
         # The completions' text, decoded here rather than on the engines' side.
         self.decode = functools.partial(prompts.tokenizer.decode, skip_special_tokens=True)
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.per_update, self.max_staleness = prompts_per_update, max_staleness
+        # Passes over each step's prompts_per_step prompts (reuse.epochs); 1: each is trained once.
+        self.epochs, self.per_step = epochs, prompts_per_step
+        if epochs > 1 and (not prompts_per_step or prompts_per_step % prompts_per_update):
+            raise ValueError(f"epochs = {epochs} needs prompts_per_step, a multiple of prompts_per_update")
         self.settle = settle
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
         self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
         self.cond = threading.Condition()
         self.engine_version = version
-        # The learner has consumed version * B groups; the carried ones were admitted already, in order.
-        self.consumed = version * prompts_per_update
+        # The learner has consumed the groups of the steps before `version`; the carried ones were
+        # admitted already, in order.
+        self.consumed = self._step_start(version)
         # Admitted, to be (re)generated: (admission index, prompt).
         self.resubmit: deque[tuple[int, Ticket]] = deque(enumerate(in_flight, start=self.consumed))
         self.admitted = self.consumed + len(self.resubmit)
@@ -148,10 +155,34 @@ class RolloutProducer:
             self.consumed += num_groups
             self._learner_wait_s += time.perf_counter() - t0
             self.cond.notify_all()
+        first = self.consumed - num_groups  # trained first at learner_version
         for j, g in enumerate(taken):
-            staleness = learner_version + j // self.per_update - g.version
+            later = self.last_update(first + j) - self._first_update(first)
+            staleness = learner_version + later - g.version
             assert 0 <= staleness <= self.max_staleness, f"admission let staleness reach {staleness}"
         return taken
+
+    def last_update(self, index: int) -> int:
+        """The last optimizer update (counted from 0) that trains the group admitted `index`-th."""
+        if self.epochs == 1:
+            return index // self.per_update
+        step, place = divmod(index, self.per_step)
+        mini_batches = self.per_step // self.per_update
+        return (step * self.epochs + self.epochs - 1) * mini_batches + place // self.per_update
+
+    def _first_update(self, index: int) -> int:
+        """The first optimizer update that trains the group admitted `index`-th."""
+        if self.epochs == 1:
+            return index // self.per_update
+        mini_batches = self.per_step // self.per_update
+        step, place = divmod(index, self.per_step)
+        return step * self.epochs * mini_batches + place // self.per_update
+
+    def _step_start(self, version: int) -> int:
+        """Groups the learner has taken when it starts the step at `version` (a step's first update)."""
+        if self.epochs == 1:
+            return version * self.per_update
+        return version // (self.epochs * self.per_step // self.per_update) * self.per_step
 
     def _check_progress(self, grace_s: float = 0.0) -> None:
         """Under the lock: stop the run if a started server died (waiting `grace_s` for one that is
@@ -328,7 +359,7 @@ class RolloutProducer:
     def bound_reached(self) -> bool:
         """Whether the staleness bound holds admission: one more prompt could not be trained within
         `max_staleness` updates of the engine's version (the learner takes prompts in order)."""
-        return self.admitted >= (self.engine_version + self.max_staleness + 1) * self.per_update
+        return self.last_update(self.admitted) > self.engine_version + self.max_staleness
 
     def _update_idle(self) -> None:
         """Under the lock, after any change of what is in flight or whether a sync runs: why the

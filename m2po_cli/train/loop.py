@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from m2po_cli import checkpoint
 from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
+from m2po_cli.distributed import all_reduce
 from m2po_cli.errors import RunError
 from m2po_cli.grader import load_reward
 from m2po_cli.learner.policy import Learner
@@ -29,6 +31,7 @@ from m2po_cli.record import Recorder
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
+from m2po_cli.train.reuse import ReplayBuffer
 from m2po_cli.train.runlog import RunLog
 from m2po_cli.train.separate import SeparateSource
 from m2po_cli.train.updates import rollout_metrics, train_on
@@ -114,12 +117,21 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         source: RolloutSource = stack.enter_context(
             source_type(model_dir, recipe, learner, prompts, recorder, log, restored)
         )
+        replay = ReplayBuffer(recipe) if recipe.reuse.mode == "replay" else None
+        if replay is not None and restored is not None:
+            replay.load(restored.path, learner.rank, learner.world)
         source.start(first_step)
         for step in range(first_step, recipe.run.steps):
             t0 = time.perf_counter()
             batch = source.next_batch(step)
             t1 = time.perf_counter()
-            metrics = train_on(batch, learner, loss_fn, source.after_update, recipe, recorder, step)
+            plan = replay.plan(batch, step, learner.version, recipe) if replay is not None else None
+            metrics = train_on(batch, learner, loss_fn, source.after_update, recipe, recorder, step, plan)
+            if replay is not None:
+                replay.push(batch, step)
+                metrics["reuse/buffer_bytes"] = float(
+                    all_reduce(torch.tensor(replay.num_bytes), dist.ReduceOp.MAX)
+                )
             metrics.update(rollout_metrics(batch))
             metrics.update(source.take_metrics())
             metrics.update(step_times(t0, t1, metrics))
@@ -129,12 +141,31 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
                     log.samples(step, batch_samples(batch, tokenizer, recipe.logging.samples))
             if checkpoint_due(recipe, step):
                 loop_state = {"step": step + 1, "mode": source.mode, **source.state()}
-                checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, source.save)
+                checkpoint.save(
+                    run_dir,
+                    step + 1,
+                    learner,
+                    loop_state,
+                    recipe.checkpoint.keep,
+                    saver(source, replay, learner),
+                )
         if recipe.checkpoint.export_hf:
             learner.export_hf(run_dir / "export", model_dir)
     if log is not None:
         log.message(log.summary())
     return run_dir
+
+
+def saver(source: RolloutSource, replay: ReplayBuffer | None, learner: Learner):
+    """What each rank writes into a checkpoint folder beside its learner shards: the source's files
+    and its rows of the replay buffer."""
+
+    def save(folder: Path) -> None:
+        source.save(folder)
+        if replay is not None:
+            replay.save(folder, learner.rank, learner.world)
+
+    return save
 
 
 def resume(

@@ -104,6 +104,8 @@ class SeparateSource:
             **carried,
             settle=lambda finished: settle(finished, self.grader, recipe),
             run_seed=recipe.run.seed,
+            epochs=recipe.reuse.epochs_per_batch,
+            prompts_per_step=recipe.rollout.prompts_per_step,
         )
         self._stack.callback(self.producer.stop)
 

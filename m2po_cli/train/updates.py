@@ -16,8 +16,10 @@ import torch.distributed as dist
 from m2po_cli.config import Recipe
 from m2po_cli.distributed import all_reduce, gather, transfer_device, world_group
 from m2po_cli.learner.policy import Learner
+from m2po_cli.loss import NUM_SPLITS
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.train.packed import PackedRollouts
+from m2po_cli.train.reuse import StepPlan, bucket_label, mini_batch_updates
 
 
 def rows_per_update(recipe: Recipe) -> int:
@@ -32,26 +34,42 @@ def train_on(
     recipe: Recipe,
     recorder: Recorder,
     step: int,
+    plan: StepPlan | None = None,
 ) -> dict[str, float]:
-    """All optimizer updates of one rollout batch (this rank's rows); `sync(learner)` after each may
-    send the weights out (colocated: after the last one, waking the engine up). A collective.
+    """All optimizer updates of one step (this rank's rows); `sync(learner)` after each may send the
+    weights out (colocated: after the last one, waking the engine up). A collective.
 
-    A token's staleness is the number of updates between the version that sampled it and the
-    update that trains it (in separate mode the tokens of one response may differ)."""
-    per_update = rows_per_update(recipe)
-    num_updates = recipe.updates_per_step
-    update_B = batch.row_B // per_update
-    tokens_U = torch.zeros(num_updates, dtype=torch.float64).index_add_(
-        0, update_B, batch.response_len_B.double()
-    )
-    tokens_U = all_reduce(tokens_U, dist.ReduceOp.SUM)  # the global token count of each update
+    `plan` (`reuse`): the step's rows and each update's; None: `batch`'s mini-batches, once per pass.
+    A token's staleness is the number of updates between the version that sampled it and the update
+    that trains it (in separate mode the tokens of one response may differ); the staleness metrics
+    count every fresh token at each of its updates, the `reuse/` ones every replayed token."""
+    if plan is None:
+        plan = StepPlan(batch, mini_batch_updates(batch, recipe), None)
+    batch, num_updates = plan.batch, len(plan.updates)
+    counts_U = torch.tensor([float(batch.response_len_B[k].sum()) for k in plan.updates], dtype=torch.float64)
+    tokens_U = all_reduce(counts_U, dist.ReduceOp.SUM)  # the global token count of each update
     totals: dict[str, float] = {}
     staleness_R = torch.zeros(batch.version_R.numel(), dtype=torch.long)
-    for u in range(num_updates):
-        index_K = (update_B == u).nonzero().squeeze(1)
+    bound = recipe.staleness_bound
+    fresh_S = torch.zeros(bound + 1, dtype=torch.float64)  # fresh tokens trained, by staleness
+    replayed_A = torch.zeros(recipe.reuse.max_age + 1, dtype=torch.float64)  # replayed ones, by age
+    replayed_R = (
+        torch.zeros(batch.version_R.numel(), dtype=torch.bool)
+        if plan.split_B is None
+        else (plan.split_B > 0).repeat_interleave(batch.response_len_B)
+    )
+    for u, index_K in enumerate(plan.updates):
         tokens = batch.response_index(index_K)
         staleness_R[tokens] = learner.version - batch.version_R[tokens].long()
+        trained_R = staleness_R[tokens]
+        old_R = replayed_R[tokens]
+        fresh_S += torch.bincount(trained_R[~old_R].clamp(0, bound), minlength=bound + 1)
+        replayed_A += torch.bincount(
+            trained_R[old_R].clamp(0, recipe.reuse.max_age), minlength=replayed_A.numel()
+        )
         rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
+        if plan.split_B is not None:
+            rows.split_B = plan.split_B[index_K]
         sample = record_sample(recorder, step, batch, index_K, learner, staleness_R)
         t0 = time.perf_counter()
         m = learner.update(rows, loss_fn, int(tokens_U[u]))
@@ -65,15 +83,17 @@ def train_on(
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version
     recorder.write(step)
-    return totals | staleness_metrics(staleness_R, recipe)
+    metrics = totals | staleness_metrics(fresh_S, recipe)
+    if plan.split_B is not None:
+        metrics = reuse_metrics(metrics, replayed_A)
+    return metrics
 
 
-def staleness_metrics(staleness_R: torch.Tensor, recipe: Recipe) -> dict[str, float]:
-    """How many updates old the policy that sampled each response token was at the update that
-    trained it, over every rank's tokens: min, mean, max, and in bounded mode a histogram (token
-    counts) up to the bound. A collective."""
+def staleness_metrics(hist_S: torch.Tensor, recipe: Recipe) -> dict[str, float]:
+    """How many updates old the policy that sampled each fresh response token was at the update that
+    trained it, over every rank's tokens (`hist_S`: this rank's token counts by staleness, up to the
+    bound): min, mean, max, and in bounded mode the histogram. A collective."""
     bound = recipe.staleness_bound
-    hist_S = torch.bincount(staleness_R.clamp(0, bound), minlength=bound + 1).double()
     hist_S = all_reduce(hist_S, dist.ReduceOp.SUM)
     seen = hist_S.nonzero().squeeze(1)
     if not seen.numel():
@@ -86,6 +106,32 @@ def staleness_metrics(staleness_R: torch.Tensor, recipe: Recipe) -> dict[str, fl
     if recipe.bounded_staleness:
         m.update({f"staleness/hist_{k}": float(count) for k, count in enumerate(hist_S.tolist())})
     return m
+
+
+def reuse_metrics(metrics: dict[str, float], hist_A: torch.Tensor) -> dict[str, float]:
+    """Replay's metrics of a step, from the loss's per-class counts (`loss/split_*`, summed over the
+    step's updates and every rank; replaced here) and this rank's replayed tokens by age (`hist_A`):
+    `reuse/replayed_token_frac` (of the trained tokens), `reuse/age_mean`, `_max`, the clipped or
+    masked share of fresh tokens (`reuse/clip_frac_fresh`) and of replayed ones by age
+    (`reuse/clip_frac_age_<ages>`, where the step trained some), and `reuse/age_hist_<ages>` (the
+    replayed tokens' share in each age class). A collective."""
+    counts = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("loss/split_")]}
+    tokens_S = [counts[f"loss/split_tokens_{k}"] for k in range(NUM_SPLITS)]
+    clipped_S = [counts[f"loss/split_clipped_{k}"] for k in range(NUM_SPLITS)]
+    hist_A = all_reduce(hist_A, dist.ReduceOp.SUM)
+    replayed = sum(tokens_S[1:])  # the loss's counts are means over the step's updates
+    out = {"reuse/replayed_token_frac": replayed / max(sum(tokens_S), 1e-9)}
+    if hist_A.sum():
+        ages = torch.arange(hist_A.numel(), dtype=torch.float64)
+        out["reuse/age_mean"] = float((hist_A * ages).sum() / hist_A.sum())
+        out["reuse/age_max"] = float(hist_A.nonzero().max())
+    if tokens_S[0]:
+        out["reuse/clip_frac_fresh"] = clipped_S[0] / tokens_S[0]
+    for k in range(1, NUM_SPLITS):
+        if tokens_S[k]:
+            out[f"reuse/clip_frac_age_{bucket_label(k)}"] = clipped_S[k] / tokens_S[k]
+            out[f"reuse/age_hist_{bucket_label(k)}"] = tokens_S[k] / replayed
+    return metrics | out
 
 
 def record_sample(

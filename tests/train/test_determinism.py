@@ -24,8 +24,9 @@ QUICKSTART = ROOT / "recipes" / "quickstart.toml"
 SHORT = ["run.steps=10", "checkpoint.every=2", 'logging.console="plain"']
 
 
-def train_command(out: Path, name: str) -> list[str]:
-    sets = [*SHORT, f'run.name="{name}"', f'run.output_dir="{out}"']
+def train_command(out: Path, name: str, *more: str) -> list[str]:
+    """`m2po train` of the quickstart, 10 steps, with `--set`-style changes `more`."""
+    sets = [*SHORT, f'run.name="{name}"', f'run.output_dir="{out}"', *more]
     return [
         sys.executable,
         "-m",
@@ -53,11 +54,11 @@ def test_the_same_recipe_on_a_busy_machine_gives_the_same_run(tmp_path):
     assert done.stdout.startswith("identical: 10 steps") and "the same exported weights" in done.stdout
 
 
-def killed_when(out: Path, name: str, lines: int) -> None:
-    """Start the run and SIGKILL it (and everything it started) once its metrics hold `lines` steps
-    (0: as soon as it has started)."""
+def killed_when(out: Path, name: str, lines: int, *more: str) -> None:
+    """Start the run (`train_command`) and SIGKILL it (and everything it started) once its metrics
+    hold `lines` steps (0: as soon as it has started)."""
     metrics = out / name / "metrics.jsonl"
-    proc = subprocess.Popen(train_command(out, name), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_command(out, name, *more), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=env(), start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
