@@ -6,8 +6,10 @@ Run `<arm>-seed<S>` of recipe `<arm>.toml` trains with `run.seed = S` under `--o
 overrides go to every run. The sweep is resumable: a run whose `metrics.jsonl` already holds all
 its steps is skipped, and an unfinished one resumes from its last checkpoint (`m2po train` does
 that; give the recipes a `checkpoint.every`). It ends with `m2po compare` over every run of the
-sweep: the table on the console and, under `--out`/figures, the figures. Each run's console goes
-to `<run>.log` beside it. Exits with the first failing run's exit code.
+sweep: the table on the console and, under `--out`/figures, the figures (`--x tokens --x seconds`:
+also against the generated tokens and the wall seconds, for arms that spend them at different
+rates). Each run's console goes to `<run>.log` beside it. Exits with the first failing run's exit
+code.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per recipe (default 3)")
     ap.add_argument("--out", type=Path, default=Path("runs/sweep"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--x",
+        action="append",
+        choices=["updates", "tokens", "seconds"],
+        help="the figures' x-axis (m2po compare --x); repeat for several (default: updates)",
+    )
     args = ap.parse_args()
+    args.x = args.x or ["updates"]
     m2po = [sys.executable, "-m", "m2po_cli"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +88,12 @@ def main() -> int:
             print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"sweep: {len(runs)} runs, {time.perf_counter() - t_sweep:.0f} s", flush=True)
     compare = [*m2po, "compare", *map(str, runs), "--plot", str(args.out / "figures")]
-    return subprocess.run(compare, env=env).returncode
+    for x in args.x:  # the figures against the other x-axes too; the tables once
+        quiet = {} if x == args.x[0] else {"stdout": subprocess.DEVNULL}
+        done = subprocess.run([*compare, "--x", x], env=env, **quiet)
+        if done.returncode:
+            return done.returncode
+    return 0
 
 
 if __name__ == "__main__":

@@ -52,15 +52,19 @@ def parse_steps(text: str | None) -> range | None:
     return range(start, stop)
 
 
-def run_loss(run: Path) -> tuple[LossConfig, str]:
-    """The run's `[loss]` table and where its behaviour logprobs came from (`engine` or `learner`)."""
+def run_loss(run: Path) -> tuple[LossConfig, str, int | None]:
+    """The run's `[loss]` table, where its behaviour logprobs came from (`engine` or `learner`), and
+    the rows of its rollout batches if it replayed rows (`[reuse] mode = "replay"`), else None."""
     try:
         tree = tomllib.loads((run / "config.toml").read_text())
         loss = TypeAdapter(LossConfig).validate_python(tree.get("loss", {}))
     except (tomllib.TOMLDecodeError, ValidationError) as e:
         first = str(e).splitlines()[0]
         raise RecordError(f"{run / 'config.toml'}: not a valid run config ({first})") from None
-    return loss, tree.get("algorithm", {}).get("behaviour_logprobs", "engine")
+    rollout, fresh_rows = tree.get("rollout", {}), None
+    if tree.get("reuse", {}).get("mode") == "replay":
+        fresh_rows = int(rollout["prompts_per_step"]) * int(rollout["n"])
+    return loss, tree.get("algorithm", {}).get("behaviour_logprobs", "engine"), fresh_rows
 
 
 def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str | None) -> None:
@@ -75,9 +79,9 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
     torch.set_num_threads(1)
     run = find_run(run_dir)
     chosen = parse_steps(steps)
-    loss, behaviour = run_loss(run)
+    loss, behaviour, fresh_rows = run_loss(run)
     records = load_records(run, chosen)
-    report, acted = analyse(records, loss, behaviour)
+    report, acted = analyse(records, loss, behaviour, fresh_rows)
     console = Console()
     if plot_dir is not None:
         from m2po_cli.inspection.plots import write_plots

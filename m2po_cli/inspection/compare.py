@@ -35,7 +35,8 @@ from m2po_cli.errors import UserError
 # What a run's recipe may differ in and still be a seed of the same arm.
 NOT_THE_ARM = {"run": ("seed", "name", "output_dir"), "logging": None, "checkpoint": None, "inspect": None}
 NUMBERS = (
-    "reward_first", "reward_last", "reward_peak", "reward_versions", "acted", "abs_log_ratio", "seconds_per_step"
+    "reward_first", "reward_last", "reward_peak", "reward_versions", "acted", "abs_log_ratio", "seconds_per_step",
+    "tokens", "seconds",
 )  # fmt: skip
 BEHAVIOUR = "staleness/behaviour_version"  # the oldest policy version that sampled the step's rollouts
 # Colocated runs: the batch each step generates (trained s updates later), and its policy version.
@@ -64,6 +65,17 @@ class Run:
         if self.config.get("rollout", {}).get("mode") == "separate":
             return f"<={s.get('max_staleness', 4)}"
         return str(s.get("s", 0))
+
+    @property
+    def reuse(self) -> str:
+        """The run's `[reuse]`, as a label's suffix: empty when off."""
+        r = self.config.get("reuse", {})
+        mode = r.get("mode", "off")
+        if mode == "epochs":
+            return f", {r.get('epochs', 2)} epochs"
+        if mode == "replay":
+            return f", replay {r.get('replay', 1.0):g} {r.get('rule', 'uniform')}"
+        return ""
 
     @property
     def seed(self) -> int:
@@ -180,16 +192,23 @@ def summary(run: Run, versions: tuple[int, int] | None = None) -> dict:
         "acted": over_steps("loss/clip_frac"),
         "abs_log_ratio": over_steps("loss/abs_log_ratio_mean"),
         "seconds_per_step": over_steps("time/step"),
+        "tokens": _total(run, "rollout/generated_tokens"),
+        "seconds": _total(run, "time/step"),
     }
 
 
+def _total(run: Run, key: str) -> float | None:
+    """`key` summed over the run's steps; None if a step does not log it."""
+    return math.fsum(s[key] for s in run.steps) if all(key in s for s in run.steps) else None
+
+
 def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:
-    """Runs grouped into arms, in the order each arm first appears; each arm labelled by its loss
-    and staleness (and its first run's folder where two arms would share a label)."""
+    """Runs grouped into arms, in the order each arm first appears; each arm labelled by its loss,
+    staleness and reuse (and its first run's folder where two arms would share a label)."""
     arms: dict[str, list[Run]] = {}
     for run in runs:
         arms.setdefault(run.arm_key(), []).append(run)
-    labels = [f"{members[0].loss}, s={members[0].staleness}" for members in arms.values()]
+    labels = [f"{m[0].loss}, s={m[0].staleness}{m[0].reuse}" for m in arms.values()]
     out = []
     for label, members in zip(labels, arms.values(), strict=True):
         if labels.count(label) > 1:
@@ -366,13 +385,15 @@ def run_table(report: dict):
 
     t = Table(title="runs", title_justify="left")
     for name in ("run", "loss", "s", "seed", "steps", "updates", "reward first 1/5", "last 1/5", "peak",
-                 _versions_column(report), "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
+                 _versions_column(report), "clipped/masked %", "mean |log r|", "s/step", "generated tokens",
+                 "wall s"):  # fmt: skip
         t.add_column(name, justify="left" if name in ("run", "loss") else "right", no_wrap=True)
     for r in report["runs"]:
         t.add_row(
             r["run"], r["loss"], r["staleness"], str(r["seed"]), str(r["steps"]), str(r["updates"]),
             _f(r["reward_first"]), _f(r["reward_last"]), _f(r["reward_peak"]), _f(r["reward_versions"]),
             _f(r["acted"], ".2f", 100), _f(r["abs_log_ratio"], ".4f"), _f(r["seconds_per_step"], ".2f"),
+            _f(r["tokens"], ",.0f"), _f(r["seconds"], ".0f"),
         )  # fmt: skip
     return t
 
@@ -382,13 +403,14 @@ def arm_table(report: dict):
 
     t = Table(title="arms: mean ± standard error over seeds", title_justify="left")
     for name in ("arm", "seeds", "steps", "reward first 1/5", "last 1/5", "peak", _versions_column(report),
-                 "clipped/masked %", "mean |log r|", "s/step"):  # fmt: skip
+                 "clipped/masked %", "mean |log r|", "s/step", "generated tokens", "wall s"):  # fmt: skip
         t.add_column(name, justify="left" if name == "arm" else "right", no_wrap=True)
     for a in report["arms"]:
         t.add_row(
             a["arm"], str(len(a["seeds"])), str(a["steps"]), _pm(a, "reward_first"), _pm(a, "reward_last"),
             _pm(a, "reward_peak"), _pm(a, "reward_versions"), _pm(a, "acted", ".2f", 100),
-            _pm(a, "abs_log_ratio", ".4f"), _pm(a, "seconds_per_step", ".2f"),
+            _pm(a, "abs_log_ratio", ".4f"), _pm(a, "seconds_per_step", ".2f"), _pm(a, "tokens", ",.0f"),
+            _pm(a, "seconds", ".0f"),
         )  # fmt: skip
     return t
 

@@ -55,17 +55,23 @@ def _short(x: float) -> str:
     return f"{x:.0e}".replace("e-0", "e-") if x < 0.01 else f"{x:g}"
 
 
-def staleness_buckets(staleness_N: Tensor) -> tuple[Tensor, list[str]]:
+def staleness_buckets(staleness_N: Tensor, replayed_N: Tensor | None = None) -> tuple[Tensor, list[str]]:
     """Each token's staleness bucket (0, 1-3, 4-15, 16-63, ...: powers of four, so a run of any
-    staleness gets a handful) and the buckets' names, from the values present ("4", "16-60")."""
-    values_U, inverse_N = staleness_N.unique(return_inverse=True)  # sorted
-    values = values_U.tolist()
-    key = [0 if s == 0 else 1 + (s.bit_length() - 1) // 2 for s in values]
+    staleness gets a handful) and the buckets' names, from the values present ("4", "16-60"). With
+    `replayed_N` (bool), replayed tokens get buckets of their own by age, after the fresh ones
+    ("replayed 1-3")."""
+    replayed_N = torch.zeros_like(staleness_N, dtype=torch.bool) if replayed_N is None else replayed_N
+    # One value per (replayed, staleness) pair: replayed ones shifted past every fresh one.
+    shift = int(staleness_N.max()) + 1 if len(staleness_N) else 1
+    values_U, inverse_N = (staleness_N + shift * replayed_N.long()).unique(return_inverse=True)  # sorted
+    pairs = [divmod(v, shift) for v in values_U.tolist()]  # (replayed, staleness)
+    key = [(r, 0 if s == 0 else 1 + (s.bit_length() - 1) // 2) for r, s in pairs]
     keys = sorted(set(key))
     names = []
     for k in keys:
-        inside = [s for s, ks in zip(values, key, strict=True) if ks == k]
-        names.append(str(inside[0]) if len(inside) == 1 else f"{inside[0]}-{inside[-1]}")
+        inside = [s for (_, s), ks in zip(pairs, key, strict=True) if ks == k]
+        name = str(inside[0]) if len(inside) == 1 else f"{inside[0]}-{inside[-1]}"
+        names.append(f"replayed {name}" if k[0] else name)
     bucket_U = torch.tensor([keys.index(k) for k in key], dtype=torch.long)
     return bucket_U[inverse_N], names
 
@@ -170,12 +176,19 @@ def _m2_metrics(metrics: dict) -> dict:
 # --- the report ----------------------------------------------------------------------------------
 
 
-def analyse(records: Records, run_loss: LossConfig, behaviour: str) -> tuple[dict, dict[str, Tensor]]:
+def analyse(
+    records: Records, run_loss: LossConfig, behaviour: str, fresh_rows: int | None = None
+) -> tuple[dict, dict[str, Tensor]]:
     """Everything `m2po inspect ratios` shows, as plain numbers (the `--json` output), and the
-    tokens each rule acts on (rule name -> bool, packed N)."""
+    tokens each rule acts on (rule name -> bool, packed N). `fresh_rows`: the rows of a rollout
+    batch (prompts_per_step x n); rows numbered past them were replayed (`[reuse]`), and their
+    tokens are bucketed by age apart from the fresh ones."""
     tokens = tokens_of(records, behaviour)
     rules = list(WHAT_IF) + ([run_loss] if run_loss not in WHAT_IF else [])
-    bucket_N, names = staleness_buckets(tokens.staleness_N)
+    replayed_N = None
+    if fresh_rows is not None:
+        replayed_N = (records.sample.row_R >= fresh_rows).repeat_interleave(records.sample.lengths_R)
+    bucket_N, names = staleness_buckets(tokens.staleness_N, replayed_N)
     report = {
         "num_tokens": len(tokens.log_ratio_N),
         "num_sequences": len(records.sample.lengths_R),

@@ -111,7 +111,7 @@ def staleness_metrics(hist_S: torch.Tensor, recipe: Recipe) -> dict[str, float]:
 def reuse_metrics(metrics: dict[str, float], hist_A: torch.Tensor) -> dict[str, float]:
     """Replay's metrics of a step, from the loss's per-class counts (`loss/split_*`, summed over the
     step's updates and every rank; replaced here) and this rank's replayed tokens by age (`hist_A`):
-    `reuse/replayed_token_frac` (of the trained tokens), `reuse/age_mean`, `_max`, the clipped or
+    `reuse/replayed_token_frac` (of the trained tokens), `reuse/age_mean`, `_min`, `_max`, the clipped or
     masked share of fresh tokens (`reuse/clip_frac_fresh`) and of replayed ones by age
     (`reuse/clip_frac_age_<ages>`, where the step trained some), and `reuse/age_hist_<ages>` (the
     replayed tokens' share in each age class). A collective."""
@@ -124,6 +124,7 @@ def reuse_metrics(metrics: dict[str, float], hist_A: torch.Tensor) -> dict[str, 
     if hist_A.sum():
         ages = torch.arange(hist_A.numel(), dtype=torch.float64)
         out["reuse/age_mean"] = float((hist_A * ages).sum() / hist_A.sum())
+        out["reuse/age_min"] = float(hist_A.nonzero().min())
         out["reuse/age_max"] = float(hist_A.nonzero().max())
     if tokens_S[0]:
         out["reuse/clip_frac_fresh"] = clipped_S[0] / tokens_S[0]

@@ -45,6 +45,7 @@ def fake_run(folder: Path, arm: str, seed: int, steps: int = 23, *extra: str, ne
             "loss/clip_frac": 0.001 * ((step + seed) % 5) * (10 if arm == "grpo" else 1),
             "loss/abs_log_ratio_mean": 0.01 + 0.001 * step, "time/step": 0.4 + 0.01 * seed,
             "staleness/behaviour_version": float(max(0, step - recipe.staleness.s)),
+            "rollout/generated_tokens": 100.0 + 10 * seed,
         })  # fmt: skip
         if newest:
             lines[-1] |= {
@@ -203,6 +204,29 @@ def test_figures_have_a_line_per_arm_labelled_axes_and_a_legend(runs):
         ]  # fmt: skip
     xs = made["reward"].axes[0].get_lines()[0].get_xdata()
     assert list(xs) == [2.0 * i for i in range(1, 12)]  # 2-step windows of 23 steps, at their last update
+
+
+def test_figures_against_tokens_and_seconds_are_against_what_each_run_spent(runs, tmp_path):
+    """Seed s generates 100 + 10 s tokens a step in 0.4 + 0.01 s seconds: an arm's x after step k
+    is the mean over its seeds of what they spent by then, (k + 1) x 110 tokens, (k + 1) x 0.41 s."""
+    for x, per_step, label in (("tokens", 110.0, "generated tokens"), ("seconds", 0.41, "wall seconds")):
+        made = figures(read_runs(runs), x)
+        assert set(made) == {"reward", "clipped_or_masked", "policy_reward"}
+        for fig in made.values():
+            (ax,) = fig.axes
+            assert ax.get_xlabel() == label
+        xs = made["reward"].axes[0].get_lines()[0].get_xdata()  # 2-step windows, at their last step
+        assert list(xs) == pytest.approx([per_step * 2 * i for i in range(1, 12)], rel=1e-12)
+    done = m2po("compare", *map(str, runs), "--plot", str(tmp_path / "figs"), "--x", "tokens")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == [
+        "clipped_or_masked-by-tokens.png", "policy_reward-by-tokens.png", "reward-by-tokens.png"
+    ]  # fmt: skip
+    metrics = runs[0] / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().replace('"rollout/generated_tokens"', '"other"'))
+    done = m2po("compare", *map(str, runs), "--plot", str(tmp_path / "figs"), "--x", "tokens")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "do not log rollout/generated_tokens" in done.stderr
 
 
 @pytest.mark.parametrize(

@@ -409,3 +409,14 @@ def test_every_loss_type_can_be_the_run_loss(tmp_path, run_loss, behaviour):
     s = records.sample
     behaviour_N = s.behaviour_logprobs_N if behaviour == "engine" else s.learner_logprobs_N
     assert report["quantiles"]["max"] == pytest.approx(float((s.logprobs_N - behaviour_N).max()), abs=1e-6)
+
+
+def test_replayed_tokens_are_bucketed_by_age_apart_from_fresh_ones():
+    from m2po_cli.inspection.ratios import staleness_buckets
+
+    staleness_N = torch.tensor([0, 0, 4, 1, 4, 5, 20])
+    replayed_N = torch.tensor([False, False, False, True, True, True, True])
+    bucket_N, names = staleness_buckets(staleness_N, replayed_N)
+    assert names == ["0", "4", "replayed 1", "replayed 4-5", "replayed 20"]
+    assert bucket_N.tolist() == [0, 0, 1, 2, 3, 3, 4]
+    assert staleness_buckets(staleness_N)[1] == ["0", "1", "4-5", "20"]

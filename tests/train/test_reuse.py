@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 REPLAY = [
     "staleness.s=0",
     'reuse={mode="replay", buffer=3, replay=1.0, max_age=2}',
+    "inspect.every=4",
 ]
 ENGINE_LEARNER_GAP = 1e-4  # |engine - learner| logprob of one token under the same weights (float32)
 
@@ -47,7 +49,11 @@ def test_replayed_rows_carry_their_behaviour_logprobs_and_versions(tmp_path):
     learner = Learner(model_dir, recipe)
     engine = VLLMEngine(model_dir, recipe.rollout, "float32", 64)
     try:
-        buffer, loss_fn, recorder = ReplayBuffer(recipe), build_loss(recipe.loss), no_record(tmp_path, learner)
+        buffer, loss_fn, recorder = (
+            ReplayBuffer(recipe),
+            build_loss(recipe.loss),
+            no_record(tmp_path, learner),
+        )
         first = sampled_batch(engine, engine.tokenizer, recipe, learner.version)
         rows = first.to_batch(torch.arange(first.num_rows))
         at_version_0 = learner.score(rows)[0][rows.mask_BL.bool()]  # the reference: rescored at version 0
@@ -99,6 +105,16 @@ def test_replayed_tokens_are_never_older_than_the_bound(uninterrupted):
     assert rows[1]["reuse/age_max"] == rows[1]["reuse/age_mean"] == 1  # only step 0's batch to replay
     assert all(r["reuse/age_max"] == 2 for r in rows[2:]), "the oldest allowed age was never drawn"
     assert all(r["reuse/buffer_bytes"] > 0 for r in rows)
+
+
+def test_inspect_buckets_replayed_tokens_by_age(uninterrupted):
+    cmd = [sys.executable, "-m", "m2po_cli", "inspect", "ratios", str(uninterrupted / "whole"), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [row["bucket"] for row in report["staleness"]] == ["0", "replayed 1-2"]
+    m2po = next(rule for rule in report["rules"] if rule["run_loss"])
+    assert set(m2po["frac_by_staleness"]) == {"0", "replayed 1-2"}
 
 
 def test_a_killed_run_resumes_with_the_same_buffer_and_draws(uninterrupted):

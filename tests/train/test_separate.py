@@ -127,6 +127,27 @@ def test_an_engine_synced_every_few_updates_lags_and_the_bound_still_holds(tmp_p
     assert sum(m["perf/weight_syncs"] for m in steps) == STEPS // every
 
 
+@pytest.mark.parametrize(
+    "reuse", ['{mode="epochs", epochs=2}', '{mode="replay", buffer=2, replay=1.0, max_age=3}']
+)
+def test_reuse_in_separate_mode_keeps_both_bounds(tmp_path, reuse):
+    """Epochs: two passes a step, and admission keeps the second pass within max_staleness too.
+    Replay: every update replays as many groups as it trains fresh, none older than max_age."""
+    cmd = command(tmp_path) + ["--set", f"reuse={reuse}"]
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = records(tmp_path / "quickstart-separate", "metrics.jsonl")
+    assert [m["step"] for m in steps] == list(range(STEPS))
+    assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
+    if "epochs" in reuse:
+        assert [m["optim/version"] for m in steps] == [2 * (k + 1) for k in range(STEPS)]
+        assert all(m["staleness/max"] >= 1 for m in steps), "the second pass is one update later"
+    else:
+        assert all(0.3 < m["reuse/replayed_token_frac"] < 0.7 for m in steps[1:])
+        assert all(1 <= m["reuse/age_min"] and m["reuse/age_max"] <= 3 for m in steps[1:])
+
+
 def test_an_attached_server_that_refuses_connections_stops_the_run_at_once_in_one_line(tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
