@@ -32,6 +32,9 @@ SETS = [
     "checkpoint.every=2",
     "parallel.dp_replicate=2",
     "parallel.dp_shard=1",
+    # Every update replays as many groups as it trains fresh: each rank trains its own rows of the
+    # drawn groups, and the buffer's shards must resume on another layout too.
+    'reuse={mode="replay", buffer=2, replay=1.0, max_age=4}',
     'logging.console="plain"',
 ]
 # Metrics that time the run or its memory, not its data or its updates.
@@ -174,6 +177,7 @@ def test_two_nodes_equal_one_and_resume_on_one(one_node, tmp_path):
     torchrun(1, 2, tmp_path, steps=4)
     assert launches(run) == [(2, 2), (2, 1)]
     assert_same_run(run, one_node)
+    assert all(0.3 < m["reuse/replayed_token_frac"] < 0.7 for m in metrics(one_node)[1:])
 
 
 def test_one_node_resumes_on_two(one_node, tmp_path):
