@@ -74,7 +74,7 @@ class Run:
         if mode == "epochs":
             return f", {r.get('epochs', 2)} epochs"
         if mode == "replay":
-            return f", replay {r.get('replay', 1.0):g} {r.get('rule', 'uniform')}"
+            return f", replay {r.get('replay', 1.0):g} {r.get('rule', 'uniform')} of {r.get('buffer', 4)}"
         return ""
 
     @property
