@@ -192,14 +192,15 @@ def summary(run: Run, versions: tuple[int, int] | None = None) -> dict:
         "acted": over_steps("loss/clip_frac"),
         "abs_log_ratio": over_steps("loss/abs_log_ratio_mean"),
         "seconds_per_step": over_steps("time/step"),
-        "tokens": _total(run, "rollout/generated_tokens"),
-        "seconds": _total(run, "time/step"),
+        "tokens": _total(run, "tokens"),
+        "seconds": _total(run, "seconds"),
     }
 
 
-def _total(run: Run, key: str) -> float | None:
-    """`key` summed over the run's steps; None if a step does not log it."""
-    return math.fsum(s[key] for s in run.steps) if all(key in s for s in run.steps) else None
+def _total(run: Run, x: str) -> float | None:
+    """What the run spent in all on the x-axis `x` (`spent`); None if a step does not log it."""
+    costs = spent(run, x)
+    return costs[-1] if costs else None
 
 
 def group(runs: list[Run]) -> list[tuple[str, list[Run]]]:

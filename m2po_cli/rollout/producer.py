@@ -94,9 +94,10 @@ class RolloutProducer:
         self.decode = functools.partial(prompts.tokenizer.decode, skip_special_tokens=True)
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.per_update, self.max_staleness = prompts_per_update, max_staleness
-        # Passes over each step's prompts_per_step prompts (reuse.epochs); 1: each is trained once.
-        self.epochs, self.per_step = epochs, prompts_per_step
-        if epochs > 1 and (not prompts_per_step or prompts_per_step % prompts_per_update):
+        # Passes over each step's prompts (reuse.epochs), each of per_step / per_update updates; a
+        # single pass needs no step size (one update's prompts stand for it).
+        self.epochs, self.per_step = epochs, prompts_per_step or prompts_per_update
+        if self.per_step % prompts_per_update or (epochs > 1 and not prompts_per_step):
             raise ValueError(f"epochs = {epochs} needs prompts_per_step, a multiple of prompts_per_update")
         self.settle = settle
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
@@ -164,24 +165,21 @@ class RolloutProducer:
 
     def last_update(self, index: int) -> int:
         """The last optimizer update (counted from 0) that trains the group admitted `index`-th."""
-        if self.epochs == 1:
-            return index // self.per_update
-        step, place = divmod(index, self.per_step)
-        mini_batches = self.per_step // self.per_update
-        return (step * self.epochs + self.epochs - 1) * mini_batches + place // self.per_update
+        return self._update(index, self.epochs - 1)
 
     def _first_update(self, index: int) -> int:
         """The first optimizer update that trains the group admitted `index`-th."""
-        if self.epochs == 1:
-            return index // self.per_update
-        mini_batches = self.per_step // self.per_update
+        return self._update(index, 0)
+
+    def _update(self, index: int, epoch: int) -> int:
+        """The update of pass `epoch` over its step that trains the group admitted `index`-th (one
+        pass, one step of one update's prompts: index // per_update)."""
         step, place = divmod(index, self.per_step)
-        return step * self.epochs * mini_batches + place // self.per_update
+        mini_batches = self.per_step // self.per_update
+        return (step * self.epochs + epoch) * mini_batches + place // self.per_update
 
     def _step_start(self, version: int) -> int:
         """Groups the learner has taken when it starts the step at `version` (a step's first update)."""
-        if self.epochs == 1:
-            return version * self.per_update
         return version // (self.epochs * self.per_step // self.per_update) * self.per_step
 
     def _check_progress(self, grace_s: float = 0.0) -> None:

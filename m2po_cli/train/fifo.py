@@ -52,7 +52,7 @@ class StalenessQueue:
 
     def save(self, folder: Path, rank: int, world: int) -> Path:
         """Write this rank's rows of every queued batch to one safetensors file in `folder`."""
-        tensors = _unshared(
+        tensors = unshared(
             {f"{i}/{name}": t for i, batch in enumerate(self.queue) for name, t in batch.tensors().items()}
         )
         header = {
@@ -93,7 +93,7 @@ class StalenessQueue:
         )
 
 
-def _unshared(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+def unshared(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     """Each tensor contiguous and the sole user of its storage (safetensors refuses shared ones);
     copies only those that are not."""
     seen: set[int] = set()

@@ -36,7 +36,7 @@ from torch import Tensor
 from m2po_cli.config import Recipe, ReuseConfig
 from m2po_cli.distributed import all_reduce
 from m2po_cli.loss import NUM_SPLITS
-from m2po_cli.train.fifo import _unshared
+from m2po_cli.train.fifo import unshared
 from m2po_cli.train.packed import PackedRollouts
 
 NO_VERSION = 2**62  # a group with no rows on a rank: the MIN over ranks ignores it
@@ -128,14 +128,8 @@ class ReplayBuffer:
         if self.cfg.rule == "uniform":
             picked = torch.randperm(len(pairs), generator=generator)[:want].tolist()
         elif self.cfg.rule == "freshest":  # newest version first; then the newest batch, lowest group
-            picked = sorted(
-                range(len(pairs)),
-                key=lambda i: (
-                    -int(self.entries[pairs[i][0]].version_G[pairs[i][1]]),
-                    -pairs[i][0],
-                    pairs[i][1],
-                ),
-            )[:want]
+            newest = [(-int(self.entries[e].version_G[g]), -e, g) for e, g in pairs]
+            picked = sorted(range(len(pairs)), key=newest.__getitem__)[:want]
         else:
             weights = torch.tensor([float(self.entries[e].weight_G[g]) for e, g in pairs])
             picked = torch.multinomial(weights, want, replacement=False, generator=generator).tolist()
@@ -145,7 +139,7 @@ class ReplayBuffer:
         """This rank's rows for the step: the fresh batch's mini-batches, each with the groups its
         update draws. Replayed group j of the step takes row numbers (P + j) * n + sample."""
         updates = mini_batch_updates(fresh, recipe)
-        parts, age_parts, slot = [fresh], [torch.zeros(fresh.num_rows, dtype=torch.long)], self.per_step
+        parts, split_parts, slot = [fresh], [torch.zeros(fresh.num_rows, dtype=torch.long)], self.per_step
         offset = fresh.num_rows
         for u in range(len(updates)):
             mine = []
@@ -155,24 +149,21 @@ class ReplayBuffer:
                 rows = entry.rows.take(index)
                 rows.row_B = slot * self.n + rows.row_B % self.n
                 parts.append(rows)
-                age_parts.append(version + u - rows.version_B)
+                split_parts.append(age_bucket(version + u - rows.version_B))  # ages >= 1
                 mine.append(torch.arange(offset, offset + rows.num_rows))
                 offset += rows.num_rows
                 slot += 1
             if mine:
                 updates[u] = torch.cat([updates[u], *mine])
         if len(parts) == 1:
-            return StepPlan(fresh, updates, torch.zeros(fresh.num_rows, dtype=torch.long))
+            return StepPlan(fresh, updates, split_parts[0])
         if not all(p.learner_R.numel() == p.behaviour_R.numel() for p in parts):
             # The learner's logprobs at the behaviour version go with the rows only where every row
             # has them (`algorithm.behaviour_logprobs = "learner"`; a recorded step's fresh rows).
             parts = [replace(p, learner_R=p.learner_R[:0]) for p in parts]
         batch = PackedRollouts.cat(parts, torch.cat([p.row_B for p in parts]))
         batch.version, batch.meta = fresh.version, fresh.meta
-        age_B = torch.cat(age_parts)
-        split_B = torch.where(age_B > 0, age_bucket(age_B), 0)
-        split_B[: fresh.num_rows] = 0
-        return StepPlan(batch, updates, split_B)
+        return StepPlan(batch, updates, torch.cat(split_parts))
 
     # --- checkpoints ------------------------------------------------------------------------------
 
@@ -189,7 +180,7 @@ class ReplayBuffer:
             "versions": [e.rows.version for e in self.entries],
         }
         save_file(
-            _unshared(tensors),
+            unshared(tensors),
             str(folder / buffer_name(rank, world)),
             metadata={"replay": json.dumps(header)},
         )
