@@ -85,6 +85,51 @@ def test_the_reproduction_arms_differ_only_in_loss_and_staleness():
     assert all(tree == first for tree in rest)
 
 
+REUSE_SETS = {
+    "quickstart": (ROOT / "recipes" / "reuse", 200),
+    "smollm2": (ROOT / "recipes" / "reuse" / "smollm2", 24),
+}
+# What a reuse arm may change against its set's on-policy `grpo.toml`: how it reuses, what it
+# generates to do so, and its loss.
+REUSE_KNOBS = {"reuse", "loss", "rollout.prompts_per_step", "run.steps", "run.name"}
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REUSE_SETS))
+def test_the_reuse_arms_differ_only_in_how_they_reuse(name: str):
+    """Every arm of a reuse sweep makes the same updates of the same size as on-policy GRPO; only
+    its reuse, its loss and what it generates for them differ, so the sweep compares reuse alone."""
+    folder, updates = REUSE_SETS[name]
+    paths = sorted(folder.glob("*.toml"))
+    base = _leaves(tomllib.loads((folder / "grpo.toml").read_text()))
+    base_recipe = load_recipe(folder / "grpo.toml")
+    assert base_recipe.reuse.mode == "off" and base_recipe.staleness.s == 0
+    size = base_recipe.rollout.prompts_per_step
+    modes = set()
+    for path in paths:
+        recipe = load_recipe(path)
+        leaves = _leaves(tomllib.loads(path.read_text()))
+        changed = {k for k in base.keys() | leaves.keys() if base.get(k) != leaves.get(k)}
+        assert {
+            k for k in changed if not any(k == c or k.startswith(c + ".") for c in REUSE_KNOBS)
+        } == set(), path
+        assert recipe.run.steps * recipe.updates_per_step == updates, path
+        fresh = recipe.rollout.prompts_per_step // recipe.mini_batches
+        replayed = round(fresh * recipe.reuse.replay) if recipe.reuse.mode == "replay" else 0
+        assert fresh + replayed == size // base_recipe.mini_batches, path
+        modes.add(recipe.reuse.mode)
+    assert modes == {"off", "epochs", "replay"}
+
+
 @pytest.mark.parametrize("m2po_path", M2PO_RECIPES, ids=lambda p: p.stem)
 def test_grpo_twin_differs_only_in_loss(m2po_path: Path):
     grpo_path = grpo_twin(m2po_path)

@@ -309,11 +309,19 @@ def curves(
     return xs, mean, low, high
 
 
-FIGURES = {  # name: (series key, title, y label, scale)
-    "reward": ("rollout/reward_mean", "reward by step", "reward (mean over the batch)", 1.0),
+FIGURES = {  # name: (series key, title, y label, scale); the x-axis names what each is drawn against
+    "reward": ("rollout/reward_mean", "reward of the trained batches", "reward (mean over the batch)", 1.0),
     "clipped_or_masked": ("loss/clip_frac", "clipped or masked share", "tokens clipped or masked (%)", 100.0),
-    "policy_reward": (POLICY, "reward by policy version", "reward of the policy's samples", 1.0),
+    "policy_reward": (
+        POLICY,
+        "reward of each policy version's samples",
+        "reward of the policy's samples",
+        1.0,
+    ),
 }
+# Ten colours, then the same ten dashed, then dotted: every arm of a sweep has a line of its own.
+LINE_STYLES = ("-", "--", ":")
+NUM_COLOURS = 10
 
 
 def figures(runs: list[Run], x: str = "updates"):
@@ -331,10 +339,17 @@ def figures(runs: list[Run], x: str = "updates"):
         if any(series(run, key, x) is None for run in runs):
             continue
         xlabel = "policy version (optimizer updates)" if key == POLICY and x == "updates" else X_AXES[x]
-        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
-        for label, members in arms:
+        many = len(arms) > 4  # the legend beside the axes, not over the lines
+        fig, ax = plt.subplots(figsize=(10.4 if many else 6.4, 4.0), dpi=150)
+        for i, (label, members) in enumerate(arms):
             xs, mean, low, high = curves(members, key, x)
-            (line,) = ax.plot(xs, [scale * v for v in mean], label=f"{label} ({len(members)} seeds)")
+            (line,) = ax.plot(
+                xs,
+                [scale * v for v in mean],
+                color=f"C{i % NUM_COLOURS}",
+                linestyle=LINE_STYLES[i // NUM_COLOURS % len(LINE_STYLES)],
+                label=f"{label} ({len(members)} seeds)",
+            )
             if len(members) > 1:
                 ax.fill_between(
                     xs, [scale * v for v in low], [scale * v for v in high], color=line.get_color(), alpha=0.2
@@ -343,7 +358,10 @@ def figures(runs: list[Run], x: str = "updates"):
         ax.set_ylabel(ylabel)
         ax.set_title(f"{title} (mean over windows of a tenth of the run)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if many:
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        else:
+            ax.legend(fontsize="small")
         fig.tight_layout()
         out[name] = fig
     return out

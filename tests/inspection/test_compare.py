@@ -206,6 +206,22 @@ def test_figures_have_a_line_per_arm_labelled_axes_and_a_legend(runs):
     assert list(xs) == [2.0 * i for i in range(1, 12)]  # 2-step windows of 23 steps, at their last update
 
 
+def test_every_arm_of_a_large_sweep_has_a_line_of_its_own(tmp_path):
+    """Twelve arms (M2PO at twelve budgets): past the ten colours, lines differ by style, and every
+    arm's line and legend entry is its own."""
+    taus = [0.01 * (k + 1) for k in range(12)]
+    made = figures(
+        read_runs(
+            [fake_run(tmp_path / f"tau{k}", "m2po", 0, 23, f"loss.tau={tau}") for k, tau in enumerate(taus)]
+        )
+    )
+    for fig in made.values():
+        (ax,) = fig.axes
+        lines = ax.get_lines()
+        assert len({(line.get_color(), line.get_linestyle()) for line in lines}) == len(lines) == 12
+        assert len({t.get_text() for t in ax.get_legend().get_texts()}) == 12
+
+
 def test_figures_against_tokens_and_seconds_are_against_what_each_run_spent(runs, tmp_path):
     """Seed s generates 100 + 10 s tokens a step in 0.4 + 0.01 s seconds: an arm's x after step k
     is the mean over its seeds of what they spent by then, (k + 1) x 110 tokens, (k + 1) x 0.41 s."""
