@@ -17,6 +17,10 @@ with the standard error of that mean. Per run:
 Figures (`write_figures`): the reward, and the clipped or masked share, against optimizer updates,
 and the reward of each policy version's samples against the version; one line per arm (the mean
 over its seeds, a band from the lowest to the highest seed).
+
+The staleness curve (`staleness_curve`), when the runs train at several fixed staleness s: each
+arm's reward by policy version and clipped or masked share (mean ± standard error over its seeds)
+against s, one line per loss (arms that differ only in `staleness.s` share a line).
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ class Run:
         return str(s.get("s", 0))
 
     @property
+    def s(self) -> int | None:
+        """The fixed staleness of a colocated run; None for separate mode (a bound, not a value)."""
+        if self.config.get("rollout", {}).get("mode") == "separate":
+            return None
+        return int(self.config.get("staleness", {}).get("s", 0))
+
+    @property
     def reuse(self) -> str:
         """The run's `[reuse]`, as a label's suffix: empty when off."""
         r = self.config.get("reuse", {})
@@ -89,6 +100,12 @@ class Run:
             if isinstance(value, dict) and table in NOT_THE_ARM:
                 value = {k: v for k, v in value.items() if k not in NOT_THE_ARM[table]}
             tree[table] = value
+        return json.dumps(tree, sort_keys=True)
+
+    def line_key(self) -> str:
+        """`arm_key` without `staleness.s`: the arms of one staleness curve's line."""
+        tree = json.loads(self.arm_key())
+        tree.get("staleness", {}).pop("s", None)
         return json.dumps(tree, sort_keys=True)
 
     def task_key(self) -> str:
@@ -238,11 +255,41 @@ def compare(runs: list[Run]) -> dict:
     """Everything `m2po compare` shows, as plain numbers (its `--json`)."""
     versions = common_versions(runs)
     rows = {id(run): summary(run, versions) for run in runs}
+    arms = [
+        (label, members, arm_summary(label, [rows[id(r)] for r in members])) for label, members in group(runs)
+    ]
     return {
         "versions": None if versions is None else list(versions),
         "runs": [rows[id(run)] for run in runs],
-        "arms": [arm_summary(label, [rows[id(r)] for r in members]) for label, members in group(runs)],
+        "arms": [summary for _, _, summary in arms],
+        "curve": staleness_curve(arms),
     }
+
+
+CURVE = ("reward_versions", "acted")  # what the staleness curve draws against s
+
+
+def staleness_curve(arms: list[tuple[str, list[Run], dict]]) -> list[dict]:
+    """One line per loss: the arms that differ only in `staleness.s`, a point per s (the arm's mean
+    and standard error over its seeds of each of `CURVE`). Empty unless the runs span two or more
+    values of s (separate-mode runs have none and are left out)."""
+    lines: dict[str, dict] = {}
+    for _, members, summary in arms:
+        run = members[0]
+        if run.s is None:
+            continue
+        label = f"{run.loss}{run.reuse}"
+        line = lines.setdefault(run.line_key(), {"line": label, "points": []})
+        point = {"s": run.s, "seeds": len(members)}
+        line["points"].append(point | {k: summary[k] for key in CURVE for k in (key, f"{key}_se")})
+    if len({p["s"] for line in lines.values() for p in line["points"]}) < 2:
+        return []
+    labels = [line["line"] for line in lines.values()]
+    for number, line in enumerate(lines.values()):
+        line["points"].sort(key=lambda p: p["s"])
+        if labels.count(line["line"]) > 1:
+            line["line"] = f"{line['line']} ({number + 1})"
+    return list(lines.values())
 
 
 POLICY = "policy"  # FIGURES' key for the reward against the policy version (`policy_rewards`)
@@ -367,14 +414,76 @@ def figures(runs: list[Run], x: str = "updates"):
     return out
 
 
-def write_figures(runs: list[Run], folder: Path, x: str = "updates") -> list[Path]:
-    """The figures as PNG files (`<name>.png`; on another x-axis than updates `<name>-by-<x>.png`)."""
+CURVE_FIGURES = {  # name: (curve key, title, y label, scale)
+    "staleness-reward": (
+        "reward_versions",
+        "reward by policy version",
+        "reward (mean ± s.e. over seeds)",
+        1.0,
+    ),
+    "staleness-clipped_or_masked": (
+        "acted",
+        "clipped or masked share",
+        "tokens clipped or masked (%)",
+        100.0,
+    ),
+}
+
+
+def curve_figures(curve: list[dict]):
+    """The staleness curve's figures: a line per loss through its points (error bars: one standard
+    error over the seeds), s evenly spaced on the x-axis in the order of its values; a dotted level
+    across the figure where a line has an s = 0 point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = sorted({p["s"] for line in curve for p in line["points"]})
+    out = {}
+    for name, (key, title, ylabel, scale) in CURVE_FIGURES.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=150)
+        for i, line in enumerate(curve):
+            points = [p for p in line["points"] if p[key] is not None]
+            ax.errorbar(
+                [values.index(p["s"]) for p in points],
+                [scale * p[key] for p in points],
+                yerr=[scale * (p[f"{key}_se"] or 0.0) for p in points],
+                color=f"C{i % NUM_COLOURS}",
+                linestyle=LINE_STYLES[i // NUM_COLOURS % len(LINE_STYLES)],
+                marker="o",
+                capsize=3,
+                label=line["line"],
+            )
+            if points and points[0]["s"] == 0:  # the line's on-policy level, across the curve
+                ax.axhline(scale * points[0][key], color=f"C{i % NUM_COLOURS}", linestyle=":", alpha=0.6)
+        ax.set_xticks(range(len(values)), [str(v) for v in values])
+        ax.set_xlabel("staleness s (optimizer updates)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} against staleness")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        out[name] = fig
+    return out
+
+
+def write_figures(
+    runs: list[Run], folder: Path, x: str = "updates", curve: list[dict] | None = None
+) -> list[Path]:
+    """The figures as PNG files (`<name>.png`; on another x-axis than updates `<name>-by-<x>.png`),
+    and a staleness curve's (`staleness-<name>.png`; `compare(runs)["curve"]`) if it has lines."""
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, fig in figures(runs, x).items():
-        path = folder / (f"{name}.png" if x == "updates" else f"{name}-by-{x}.png")
+    made = {
+        (f"{name}.png" if x == "updates" else f"{name}-by-{x}.png"): fig
+        for name, fig in figures(runs, x).items()
+    }
+    made |= {f"{name}.png": fig for name, fig in curve_figures(curve).items()} if curve else {}
+    for name, fig in made.items():
+        path = folder / name
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
@@ -434,6 +543,26 @@ def arm_table(report: dict):
     return t
 
 
+def curve_table(report: dict):
+    """The staleness curve: a row per line, a column per s, each cell the reward by policy version
+    (mean ± standard error over the seeds) and the clipped or masked share."""
+    from rich.table import Table
+
+    curve = report["curve"]
+    values = sorted({p["s"] for line in curve for p in line["points"]})
+    t = Table(title=f"by staleness: {_versions_column(report)} / clipped or masked %", title_justify="left")
+    t.add_column("loss", no_wrap=True)
+    for v in values:
+        t.add_column(f"s={v}", justify="right", no_wrap=True)
+    for line in curve:
+        at = {p["s"]: p for p in line["points"]}
+        t.add_row(line["line"], *[
+            f"{_pm(at[v], 'reward_versions')} / {_pm(at[v], 'acted', '.2f', 100)} ({at[v]['seeds']})" if v in at else "-"
+            for v in values
+        ])  # fmt: skip
+    return t
+
+
 def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: str = "updates") -> None:
     """`m2po compare`: tables (or JSON) on stdout, PNG figures against `x` into `plot_dir`."""
     from rich.console import Console
@@ -446,12 +575,14 @@ def command(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: s
         missing = [str(run.path) for run in runs if spent(run, x) is None]
         if missing:
             raise CompareError(f"{missing[0]}: its steps do not log {SPENT[x]}, which --x {x} plots against")
-        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir), x)]
+        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir), x, report["curve"])]
     console = Console()
     if as_json:
         console.file.write(json.dumps(report, indent=1) + "\n")
         return
     print_whole(console, run_table(report))
     print_whole(console, arm_table(report))
+    if report["curve"]:
+        print_whole(console, curve_table(report))
     for path in report.get("plots", []):
         console.print(f"wrote {path}")

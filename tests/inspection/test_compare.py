@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_cli.config import load_recipe
-from m2po_cli.inspection.compare import compare, figures, read_runs
+from m2po_cli.inspection.compare import compare, curve_figures, figures, read_runs
 from m2po_cli.inspection.report import print_whole
 from m2po_cli.tomlconf import to_toml
 from tests.conftest import QUICKSTART
@@ -204,6 +204,90 @@ def test_figures_have_a_line_per_arm_labelled_axes_and_a_legend(runs):
         ]  # fmt: skip
     xs = made["reward"].axes[0].get_lines()[0].get_xdata()
     assert list(xs) == [2.0 * i for i in range(1, 12)]  # 2-step windows of 23 steps, at their last update
+
+
+CURVE_POINTS = {"grpo": (0, 16, 64), "m2po": (16, 64)}  # the staleness sweep's arms: s = 0 once, for GRPO
+
+
+def staleness_sweep(folder: Path) -> list[Path]:
+    """Colocated runs of two losses at several s, 2 or 3 seeds an arm; each run's generated batches
+    score `newest_reward` plus an offset of its loss and s, so every point of the curve differs."""
+    runs = []
+    for arm, values in CURVE_POINTS.items():
+        for s in values:
+            for seed in range(3 if s == 64 else 2):
+                run = fake_run(folder / f"s{s}", arm, seed, 23, f"staleness.s={s}", newest=True)
+                steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                for step in steps:
+                    step["rollout/newest_reward_mean"] += curve_offset(arm, s)
+                (run / "metrics.jsonl").write_text("".join(json.dumps(step) + "\n" for step in steps))
+                runs.append(run)
+    return runs
+
+
+def curve_offset(arm: str, s: int) -> float:
+    return -0.001 * s + (0.05 if arm == "m2po" else 0.0)
+
+
+def test_the_staleness_curve_is_each_arms_reward_by_version_against_s(tmp_path):
+    """A line per loss, a point per s: the mean over the arm's seeds of the reward of versions 19-22
+    (recomputed from the generated batches) and of the clipped share, with their standard errors."""
+    runs = staleness_sweep(tmp_path)
+    report = compare(read_runs(runs))
+    assert report["versions"] == [19, 22]
+    assert [line["line"] for line in report["curve"]] == ["grpo", "m2po tau=0.04"]
+    for line, (arm, values) in zip(report["curve"], CURVE_POINTS.items(), strict=True):
+        assert [p["s"] for p in line["points"]] == list(values)
+        for point in line["points"]:
+            seeds = range(point["seeds"])
+            assert point["seeds"] == (3 if point["s"] == 64 else 2)
+            reward = [
+                sum(newest_reward(step, seed) + curve_offset(arm, point["s"]) for step in range(19, 23)) / 4
+                for seed in seeds
+            ]
+            acted = [
+                sum(0.001 * ((step + seed) % 5) * (10 if arm == "grpo" else 1) for step in range(23)) / 23
+                for seed in seeds
+            ]
+            for key, values_ in (("reward_versions", reward), ("acted", acted)):
+                assert point[key] == pytest.approx(statistics.mean(values_), rel=1e-12), (
+                    arm,
+                    point["s"],
+                    key,
+                )
+                assert point[f"{key}_se"] == pytest.approx(
+                    statistics.stdev(values_) / math.sqrt(len(values_))
+                )
+    # runs at one staleness have no curve
+    assert compare(read_runs([r for r in runs if r.parent.name == "s16"]))["curve"] == []
+
+
+def test_the_staleness_curve_figures_and_table(tmp_path):
+    runs = staleness_sweep(tmp_path / "runs")
+    report = compare(read_runs(runs))
+    made = curve_figures(report["curve"])
+    assert set(made) == {"staleness-reward", "staleness-clipped_or_masked"}
+    for name, fig in made.items():
+        (ax,) = fig.axes
+        assert ax.get_xlabel() == "staleness s (optimizer updates)" and ax.get_ylabel()
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "16", "64"]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["grpo", "m2po tau=0.04"]
+        key, scale = ("reward_versions", 1.0) if name == "staleness-reward" else ("acted", 100.0)
+        assert len(ax.containers) == 2  # an error-bar line per loss
+        for bars, curve in zip(ax.containers, report["curve"], strict=True):
+            line = bars.lines[0]
+            assert list(line.get_xdata()) == [[0, 16, 64].index(p["s"]) for p in curve["points"]]
+            assert list(line.get_ydata()) == pytest.approx(
+                [scale * p[key] for p in curve["points"]], rel=1e-12
+            )
+    done = m2po("compare", *map(str, runs), "--plot", str(tmp_path / "figs"))
+    assert done.returncode == 0, done.stderr
+    assert {"staleness-reward.png", "staleness-clipped_or_masked.png"} <= {
+        p.name for p in (tmp_path / "figs").iterdir()
+    }
+    assert "by staleness" in done.stdout
+    grpo0 = report["curve"][0]["points"][0]
+    assert f"{grpo0['reward_versions']:.3f} ± {grpo0['reward_versions_se']:.3f}" in done.stdout
 
 
 def test_every_arm_of_a_large_sweep_has_a_line_of_its_own(tmp_path):
