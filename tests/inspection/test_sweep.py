@@ -52,3 +52,45 @@ def test_a_sweep_runs_every_arm_and_seed_once_and_compares_them(tmp_path):
     assert again.returncode == 0, again.stderr
     assert all(f"{name}: done already" in again.stdout for name in names)
     assert all(len((out / n / "metrics.jsonl").read_text().splitlines()) == 2 for n in names)
+
+
+def dry_run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(SWEEP), *args, "--dry-run"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_a_grid_makes_an_arm_of_every_recipe_at_every_value_with_its_own_seeds(tmp_path):
+    """The staleness sweep's shape: two losses at three s, one seed except at s = 256, seed by seed."""
+    recipes = [str(ROOT / "recipes" / "reproduce" / f"{n}.toml") for n in ("grpo-s32", "m2po-s32")]
+    done = dry_run(*recipes, "--grid", "staleness.s=0,16,256", "--seeds", "1", "--seeds-for", "*-s256=3",
+                   "--out", str(tmp_path / "out"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runs = [line.split(": ", 1) for line in done.stdout.splitlines()[:-1]]
+    arms = [f"{loss}-s32-s{s}" for loss in ("grpo", "m2po") for s in (0, 16, 256)]
+    expected = [f"{a}-seed0" for a in arms] + [
+        f"{a}-seed{k}" for k in (1, 2) for a in arms if a.endswith("256")
+    ]
+    assert [name for name, _ in runs] == expected
+    for name, what in runs:
+        s = name.split("-s")[2]  # grpo-s32-s16-seed0: its grid value
+        assert what == f"{recipes[name.startswith('m2po')]} --set staleness.s={s}"
+    assert done.stdout.splitlines()[-1] == "sweep: 10 runs"
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grid", "staleness.s"], "--grid 'staleness.s': expected KEY=V1,V2,..."),
+        (["--grid", "staleness.s=16,"], "--grid 'staleness.s=16,': expected KEY=V1,V2,..."),
+        (["--seeds-for", "*-s256=0"], "--seeds-for '*-s256=0': expected PATTERN=N with N >= 1"),
+        (["--seeds-for", "*-s512=3", "--grid", "staleness.s=16"], "--seeds-for '*-s512' matches no arm"),
+        (["--grid", "staleness.s=16,-1"], "staleness.s: must be >= 0 (got -1)"),
+    ],
+)
+def test_a_bad_plan_exits_2_in_one_line_before_any_run(args, message):
+    done = dry_run(str(ROOT / "recipes" / "reproduce" / "grpo-s32.toml"), *args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
