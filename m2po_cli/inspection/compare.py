@@ -371,6 +371,11 @@ LINE_STYLES = ("-", "--", ":")
 NUM_COLOURS = 10
 
 
+def _style(i: int) -> dict:
+    """The i-th line's colour and line style (`LINE_STYLES`)."""
+    return {"color": f"C{i % NUM_COLOURS}", "linestyle": LINE_STYLES[i // NUM_COLOURS % len(LINE_STYLES)]}
+
+
 def figures(runs: list[Run], x: str = "updates"):
     """One matplotlib figure per entry of FIGURES against the x-axis `x` (`X_AXES`): a line per
     arm, a band over its seeds (no `policy_reward` if a run does not log its batches' versions;
@@ -393,8 +398,7 @@ def figures(runs: list[Run], x: str = "updates"):
             (line,) = ax.plot(
                 xs,
                 [scale * v for v in mean],
-                color=f"C{i % NUM_COLOURS}",
-                linestyle=LINE_STYLES[i // NUM_COLOURS % len(LINE_STYLES)],
+                **_style(i),
                 label=f"{label} ({len(members)} seeds)",
             )
             if len(members) > 1:
@@ -449,14 +453,13 @@ def curve_figures(curve: list[dict]):
                 [values.index(p["s"]) for p in points],
                 [scale * p[key] for p in points],
                 yerr=[scale * (p[f"{key}_se"] or 0.0) for p in points],
-                color=f"C{i % NUM_COLOURS}",
-                linestyle=LINE_STYLES[i // NUM_COLOURS % len(LINE_STYLES)],
+                **_style(i),
                 marker="o",
                 capsize=3,
                 label=line["line"],
             )
             if points and points[0]["s"] == 0:  # the line's on-policy level, across the curve
-                ax.axhline(scale * points[0][key], color=f"C{i % NUM_COLOURS}", linestyle=":", alpha=0.6)
+                ax.axhline(scale * points[0][key], color=_style(i)["color"], linestyle=":", alpha=0.6)
         ax.set_xticks(range(len(values)), [str(v) for v in values])
         ax.set_xlabel("staleness s (optimizer updates)")
         ax.set_ylabel(ylabel)
