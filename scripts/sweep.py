@@ -6,7 +6,8 @@ Run `<arm>-seed<S>` of recipe `<arm>.toml` trains with `run.seed = S` under `--o
 overrides go to every run. `--grid KEY=V1,V2,...` makes an arm of every recipe at every value,
 `<arm>-<leaf><value>` (`--grid staleness.s=16,256`: `m2po-s16`, `m2po-s256`); `--seeds-for
 PATTERN=N` gives the arms whose name matches the shell pattern N seeds instead of `--seeds`
-(`--seeds 1 --seeds-for '*-s256=3'`). Runs go seed by seed, so a sweep cut short has every arm at
+(`--seeds 1 --seeds-for '*-s256=3'`), and `--exclude PATTERN` leaves out the arms it matches
+(`--exclude 'm2po-s0'`). Runs go seed by seed, so a sweep cut short has every arm at
 the same seeds; `--dry-run` lists them and their overrides without running anything. The sweep is
 resumable: a run whose `metrics.jsonl` already holds all its steps is skipped, and an unfinished one
 resumes from its last checkpoint (`m2po train` does that; give the recipes a `checkpoint.every`). It
@@ -78,14 +79,23 @@ def parse_seeds_for(specs: list[str]) -> list[tuple[str, int]]:
 
 
 def plan(
-    recipes: list[Path], grid: list[tuple[str, list[str]]], seeds: int, seeds_for: list[tuple[str, int]]
+    recipes: list[Path],
+    grid: list[tuple[str, list[str]]],
+    seeds: int,
+    seeds_for: list[tuple[str, int]],
+    exclude: list[str] = (),
 ) -> list[Arm]:
-    """Every recipe at every point of the grid, each with its number of seeds (the last matching
-    `seeds_for` pattern, else `seeds`). ValueError if two arms share a name."""
+    """Every recipe at every point of the grid, but the arms an `exclude` pattern matches, each with
+    its number of seeds (the last matching `seeds_for` pattern, else `seeds`). ValueError if two arms
+    share a name or a pattern matches no arm."""
     arms = []
+    excluded = set()
     for recipe in recipes:
         for point in itertools.product(*[[(key, v) for v in values] for key, values in grid]):
             name = "-".join([recipe.stem, *[f"{key.rsplit('.', 1)[-1]}{v}" for key, v in point]])
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+                excluded.add(name)
+                continue
             n = next((k for pattern, k in reversed(seeds_for) if fnmatch.fnmatchcase(name, pattern)), seeds)
             arms.append(Arm(name, recipe, [f"{key}={v}" for key, v in point], n))
     names = [a.name for a in arms]
@@ -94,6 +104,11 @@ def plan(
     unmatched = [p for p, _ in seeds_for if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if unmatched:
         raise ValueError(f"--seeds-for {unmatched[0]!r} matches no arm (the arms: {', '.join(names)})")
+    unmatched = [p for p in exclude if not any(fnmatch.fnmatchcase(n, p) for n in excluded)]
+    if unmatched:
+        raise ValueError(f"--exclude {unmatched[0]!r} matches no arm (the arms: {', '.join(names)})")
+    if not arms:
+        raise ValueError("--exclude leaves no arm")
     return arms
 
 
@@ -107,6 +122,9 @@ def main() -> int:
     ap.add_argument(
         "--seeds-for", action="append", default=[], metavar="PATTERN=N", help="N seeds for these arms"
     )
+    ap.add_argument(
+        "--exclude", action="append", default=[], metavar="PATTERN", help="leave out the arms it matches"
+    )
     ap.add_argument("--dry-run", action="store_true", help="list the runs and their overrides, run nothing")
     ap.add_argument(
         "--x",
@@ -117,7 +135,9 @@ def main() -> int:
     args = ap.parse_args()
     args.x = args.x or ["updates"]
     try:
-        arms = plan(args.recipes, parse_grid(args.grid), args.seeds, parse_seeds_for(args.seeds_for))
+        arms = plan(
+            args.recipes, parse_grid(args.grid), args.seeds, parse_seeds_for(args.seeds_for), args.exclude
+        )
         steps = {
             arm.name: planned_steps(arm.recipe, [*args.overrides, *arm.sets]) for arm in arms
         }  # every recipe checked first

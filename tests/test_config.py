@@ -85,6 +85,26 @@ def test_the_reproduction_arms_differ_only_in_loss_and_staleness():
     assert all(tree == first for tree in rest)
 
 
+STALENESS = ROOT / "recipes" / "staleness"
+
+
+def test_the_staleness_arms_differ_only_in_loss_and_train_long_past_s256():
+    """The staleness curve's three losses: the same run but for [loss]; each rollout batch trained in
+    several updates, so s = 256 is a FIFO of whole batches, and several times 256 updates after the
+    FIFO's warm-up (its K batches from the initial policy)."""
+    trees = {p.stem: tomllib.loads(p.read_text()) for p in sorted(STALENESS.glob("*.toml"))}
+    assert sorted(trees) == ["grpo", "m2po", "no-tr"]
+    for name, tree in trees.items():
+        recipe = load_recipe(STALENESS / f"{name}.toml", ["staleness.s=256"])
+        assert (recipe.run.name, recipe.loss.type) == (name, name.replace("-", "_"))
+        assert recipe.updates_per_step > 1 and recipe.queue_batches * recipe.updates_per_step == 256
+        assert recipe.run.steps * recipe.updates_per_step - 256 >= 3 * 256
+        tree.pop("loss")
+        tree["run"].pop("name")
+    first, *rest = trees.values()
+    assert all(tree == first for tree in rest)
+
+
 REUSE_SETS = {
     "quickstart": (ROOT / "recipes" / "reuse", 200),
     "smollm2": (ROOT / "recipes" / "reuse" / "smollm2", 24),

@@ -399,7 +399,7 @@ def figures(runs: list[Run], x: str = "updates"):
                 xs,
                 [scale * v for v in mean],
                 **_style(i),
-                label=f"{label} ({len(members)} seeds)",
+                label=f"{label} ({len(members)} seed{'s' if len(members) > 1 else ''})",
             )
             if len(members) > 1:
                 ax.fill_between(
@@ -407,7 +407,7 @@ def figures(runs: list[Run], x: str = "updates"):
                 )
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{title} (mean over windows of a tenth of the run)")
+        ax.set_title(f"{title}\n(mean over windows of a tenth of the run)", fontsize="medium")
         ax.grid(alpha=0.3)
         if many:
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)

@@ -62,21 +62,23 @@ def dry_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_grid_makes_an_arm_of_every_recipe_at_every_value_with_its_own_seeds(tmp_path):
-    """The staleness sweep's shape: two losses at three s, one seed except at s = 256, seed by seed."""
-    recipes = [str(ROOT / "recipes" / "reproduce" / f"{n}.toml") for n in ("grpo-s32", "m2po-s32")]
-    done = dry_run(*recipes, "--grid", "staleness.s=0,16,256", "--seeds", "1", "--seeds-for", "*-s256=3",
+    """The staleness sweep's shape: GRPO at s = 0 once, every loss at 16, 64 and 256, one seed but at
+    s = 256, seed by seed."""
+    folder = ROOT / "recipes" / "staleness"
+    done = dry_run(str(folder / "grpo.toml"), str(folder / "m2po.toml"), "--grid", "staleness.s=0,16,64,256",
+                   "--exclude", "m2po-s0", "--seeds", "1", "--seeds-for", "*-s256=3",
                    "--out", str(tmp_path / "out"))  # fmt: skip
     assert done.returncode == 0, done.stderr
     runs = [line.split(": ", 1) for line in done.stdout.splitlines()[:-1]]
-    arms = [f"{loss}-s32-s{s}" for loss in ("grpo", "m2po") for s in (0, 16, 256)]
+    arms = ["grpo-s0", "grpo-s16", "grpo-s64", "grpo-s256", "m2po-s16", "m2po-s64", "m2po-s256"]
     expected = [f"{a}-seed0" for a in arms] + [
-        f"{a}-seed{k}" for k in (1, 2) for a in arms if a.endswith("256")
+        f"{loss}-s256-seed{k}" for k in (1, 2) for loss in ("grpo", "m2po")
     ]
     assert [name for name, _ in runs] == expected
     for name, what in runs:
-        s = name.split("-s")[2]  # grpo-s32-s16-seed0: its grid value
-        assert what == f"{recipes[name.startswith('m2po')]} --set staleness.s={s}"
-    assert done.stdout.splitlines()[-1] == "sweep: 10 runs"
+        loss, s = name.split("-")[:2]  # grpo-s16-seed0: its recipe and grid value
+        assert what == f"{folder / loss}.toml --set staleness.{s[0]}={s[1:]}"
+    assert done.stdout.splitlines()[-1] == "sweep: 11 runs"
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
@@ -88,6 +90,8 @@ def test_a_grid_makes_an_arm_of_every_recipe_at_every_value_with_its_own_seeds(t
         (["--seeds-for", "*-s256=0"], "--seeds-for '*-s256=0': expected PATTERN=N with N >= 1"),
         (["--seeds-for", "*-s512=3", "--grid", "staleness.s=16"], "--seeds-for '*-s512' matches no arm"),
         (["--grid", "staleness.s=16,-1"], "staleness.s: must be >= 0 (got -1)"),
+        (["--grid", "staleness.s=0,16", "--exclude", "*-s64"], "--exclude '*-s64' matches no arm"),
+        (["--grid", "staleness.s=0,16", "--exclude", "grpo*"], "--exclude leaves no arm"),
     ],
 )
 def test_a_bad_plan_exits_2_in_one_line_before_any_run(args, message):
