@@ -11,12 +11,13 @@ fp32, no KL. m2po runs that recipe at s = 0 (on-policy, as TRL), and its default
 with the project's torch and transformers, generating with HF `generate`.
 
     bash scripts/trl_venv.sh                    # once
-    .venv/bin/python bench/bench_peer_trl.py [--seeds 4] [--m2po-seeds 2] [--steps 8]
+    .venv/bin/python bench/bench_peer_trl.py [--seeds 4] [--first-seed 0] [--m2po-seeds 2] [--steps 8]
 
 Prints per tool, as mean ± standard error over seeds: seconds per step (all steps but each run's
 first, which warms the kernels up), generated tokens per second of generation, trained tokens per
 second of the update, the peak memory of the run's process tree (PSS), and the mean reward of the
-first and the last fifth of the steps; then the ratios m2po / TRL.
+first and the last fifth of the steps; then the ratios m2po / TRL, and the last fifth's reward seed by
+seed with the difference of the tools' means, its 95% bootstrap interval and a permutation test's p.
 
 What one step costs: 32 rows of ~55 prompt + up to 32 response tokens through a 134.5M-parameter
 model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward and backward as
@@ -184,6 +185,42 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), se
 
 
+EXACT_SPLITS = 200_000
+
+
+def difference(a: list[float], b: list[float]) -> dict[str, float]:
+    """mean(a) - mean(b) with its 95% bootstrap interval (BCa, 10,000 resamples of each side) and
+    the two-sided p-value of a permutation test of equal means (exact, every split of the pooled
+    values, up to `EXACT_SPLITS` splits: 10 seeds a side; beyond, that many random ones)."""
+    import numpy as np
+    from scipy import stats
+
+    def diff(x, y, axis=-1):
+        return np.mean(x, axis=axis) - np.mean(y, axis=axis)
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+
+    def distance(x, y, axis=-1):  # two-sided: a split counts if its means are as far apart
+        return np.abs(diff(x, y, axis))
+
+    exact = math.comb(len(x) + len(y), len(x)) <= EXACT_SPLITS
+    test = stats.permutation_test(
+        (x, y),
+        distance,
+        permutation_type="independent",
+        n_resamples=np.inf if exact else EXACT_SPLITS,
+        vectorized=True,
+        alternative="greater",
+        batch=10_000,  # splits evaluated at a time: bounded memory
+        rng=np.random.default_rng(0),
+    )
+    interval = stats.bootstrap(
+        (x, y), diff, n_resamples=10_000, batch=1_000, vectorized=True, rng=np.random.default_rng(0)
+    )
+    low, high = interval.confidence_interval
+    return {"difference": float(diff(x, y)), "low": float(low), "high": float(high), "p": float(test.pvalue)}
+
+
 def report(results: dict[str, list[dict]]) -> None:
     names = list(next(iter(results.values()))[0])
     print("| tool | seeds | " + " | ".join(names) + " |")
@@ -206,14 +243,21 @@ def report(results: dict[str, list[dict]]) -> None:
             if "reward" not in name
         )
         print(f"{tool} / TRL GRPO: {ratios}")
-    last = {tool: mean_se([r["reward last 1/5"] for r in runs]) for tool, runs in results.items()}
-    (m, _), (t, t_se) = last[M2PO_GRPO], last[TRL_GRPO]
-    print(f"last-fifth reward, m2po GRPO - TRL: {m - t:+.3f} (TRL's standard error {t_se:.3f})")
+    mine, theirs = ([r["reward last 1/5"] for r in results[t]] for t in (M2PO_GRPO, TRL_GRPO))
+    print("last-fifth reward by seed, m2po GRPO: " + " ".join(f"{v:.3f}" for v in mine))
+    print("last-fifth reward by seed, TRL GRPO:  " + " ".join(f"{v:.3f}" for v in theirs))
+    if len(mine) > 1 and len(theirs) > 1:
+        d = difference(mine, theirs)
+        print(
+            f"last-fifth reward, m2po GRPO - TRL: {d['difference']:+.3f}, 95% interval [{d['low']:+.3f}, "
+            f"{d['high']:+.3f}] (bootstrap), permutation p = {d['p']:.3f} ({len(mine)} against {len(theirs)} seeds)"
+        )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=4, help="seeds of m2po GRPO and of TRL, alternated")
+    ap.add_argument("--first-seed", type=int, default=0, help="the seeds are first-seed, first-seed + 1, ...")
     ap.add_argument("--m2po-seeds", type=int, default=2, help="seeds of the default M2PO recipe (speed)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and metrics in this folder")
@@ -228,9 +272,9 @@ def main() -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         work_path = tmp / "work.json"
         work_path.write_text(json.dumps(work))
-        for seed in range(args.seeds):
-            arms = [M2PO_GRPO, TRL_GRPO] if seed % 2 == 0 else [TRL_GRPO, M2PO_GRPO]
-            arms += [M2PO_DEFAULT] if seed < args.m2po_seeds else []
+        for k, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
+            arms = [M2PO_GRPO, TRL_GRPO] if k % 2 == 0 else [TRL_GRPO, M2PO_GRPO]
+            arms += [M2PO_DEFAULT] if k < args.m2po_seeds else []
             for arm in arms:
                 if arm == TRL_GRPO:
                     run = run_trl(work_path, work, seed, tmp)
