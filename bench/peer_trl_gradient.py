@@ -50,6 +50,20 @@ TRL, TRL_FULL, LITERAL = "TRL", "TRL-full", "literal"
 MAX_TRIES = 16  # rollout steps sampled, from the initial weights, until one has unequal rewards
 
 
+class LastBatch:
+    """A prompt iterator that keeps the batch it yielded last (`rollout` draws its own)."""
+
+    def __init__(self, batches):
+        self.batches, self.last = batches, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.batches)
+        return self.last
+
+
 def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     """Sample, grade and train one step as `m2po train` does; write the rows and the gradient."""
     from safetensors.torch import save_file
@@ -68,18 +82,19 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     recipe = load_recipe(GRPO, [*sets, *overrides])
     model_dir = resolve_model(recipe.model.path)
     learner = Learner(model_dir, recipe)
-    prompts = PromptBatches(
-        load_problems(recipe.data), load_tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step
-    )
-    first = PromptBatches(  # the same first batch again, for its problems' text and answers
-        load_problems(recipe.data), load_tokenizer(model_dir), recipe.data, recipe.rollout.prompts_per_step
+    prompts = LastBatch(
+        PromptBatches(
+            load_problems(recipe.data),
+            load_tokenizer(model_dir),
+            recipe.data,
+            recipe.rollout.prompts_per_step,
+        )
     )
     recorder = Recorder(tmp, InspectConfig(every=0), seed, learner.rank, learner.world)
     engine = build_engine(model_dir, recipe, learner.world, None)
     with recipe_grader(recipe, 1) as grader:
         for index in range(MAX_TRIES):  # the first rollout step whose batch has a gradient at all
             batch = rollout(engine, grader, prompts, learner, recipe, recorder, index)
-            problems = next(first)
             if bool(batch.advantages_B.ne(0).any()):
                 break
         else:
@@ -101,7 +116,7 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     behaviour = batch.behaviour_R.split(batch.response_len_B.tolist())
     template = recipe.data.prompt_template
     rows = []
-    for b, p in enumerate(p for p in problems for _ in range(n)):
+    for b, p in enumerate(p for p in prompts.last for _ in range(n)):
         tokens = batch.tokens_N[offsets[b] : offsets[b + 1]].tolist()
         assert tokens[: starts[b]] == p.token_ids
         rows.append(
@@ -135,7 +150,6 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     return {
         **mismatch,
         "clipped share": metrics["loss/clip_frac"],
-        "m2po grad norm": metrics["optim/grad_norm"],
         "tokens": int(batch.response_len_B.sum()),
         "step": index,
         "rewards": [r["reward"] for r in rows],
@@ -149,9 +163,8 @@ def literal_gradient(work: dict) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(work["model_dir"], dtype=torch.float64)
-    model.get_input_embeddings().padding_idx = (
-        None  # every input lookup has its gradient (HF's pad row has none)
-    )
+    # Every input lookup has its gradient (HF's embedding gives the pad token's row none).
+    model.get_input_embeddings().padding_idx = None
     temperature, rows = work["settings"]["temperature"], work["rows"]
     total = sum(len(r["completion_ids"]) for r in rows)
     for r in rows:
