@@ -11,13 +11,25 @@ fp32, no KL. m2po runs that recipe at s = 0 (on-policy, as TRL), and its default
 with the project's torch and transformers, generating with HF `generate`.
 
     bash scripts/trl_venv.sh                    # once
-    .venv/bin/python bench/bench_peer_trl.py [--seeds 4] [--first-seed 0] [--m2po-seeds 2] [--steps 8]
+    .venv/bin/python bench/bench_peer_trl.py [--seeds 4] [--first-seed 0] [--m2po-seeds 0] [--steps 8]
+        [--checkpointing off|on ...] [--cores 1]
 
-Prints per tool, as mean ± standard error over seeds: seconds per step (all steps but each run's
-first, which warms the kernels up), generated tokens per second of generation, trained tokens per
-second of the update, the peak memory of the run's process tree (PSS), and the mean reward of the
-first and the last fifth of the steps; then the ratios m2po / TRL, and the last fifth's reward seed by
-seed with the difference of the tools' means, its 95% bootstrap interval and a permutation test's p.
+Both tools run the same way: on the cores `--cores` names (default: the machine's last; the bench
+itself keeps to the others, so nothing else shares the tools' cores), with one compute thread bound
+to each of them (m2po through vLLM's CPU binding, which its learner shares; TRL through OpenMP's
+places), with activation checkpointing of the update off and then on (m2po's
+`train.activation_checkpointing = "full"`, TRL's `gradient_checkpointing`), each setting's runs
+alternating the tools. Nothing samples a run while it runs: its peak memory is the kernel's
+high-water mark, read when it ends.
+
+Prints per arm and setting, as mean ± standard error over seeds: seconds per step (all steps but
+each run's first, which warms the kernels up) and of its parts (generation, the reward, and the
+update, which for both tools is the rest of the step), generated tokens per second of generation,
+trained tokens per second of the update, the peak resident memory of the run's largest process,
+the share of the tools' cores that anything else used while it ran and the share the hypervisor
+took (both near 0 on a quiet machine), and the mean reward of the first and the last fifth of the
+steps; then the ratios m2po / TRL, and the last fifth's reward seed by seed with the difference of
+the tools' means, its 95% bootstrap interval and a permutation test's p.
 
 What one step costs: 32 rows of ~55 prompt + up to 32 response tokens through a 134.5M-parameter
 model, ~2.6k tokens x ~0.27 GFLOP forward, about 2.1 TFLOP for the update's forward and backward as
@@ -37,11 +49,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 GRPO = ROOT / "recipes" / "smollm2-135m-cpu-grpo.toml"
@@ -91,90 +100,136 @@ def work_for(recipe_path: Path, steps: int) -> dict:
     return {"model_dir": str(model_dir), "steps": steps_, "settings": settings}
 
 
-class PeakMemory:
-    """The largest PSS of a process and its descendants, sampled every `every_s` seconds."""
-
-    def __init__(self, pid: int, every_s: float = 0.5):
-        self.root, self.every_s, self.peak = psutil.Process(pid), every_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            total = 0
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for p in procs:
-                try:
-                    total += p.memory_full_info().pss
-                except psutil.Error:
-                    pass
-            self.peak = max(self.peak, total)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.peak / 2**30
+def cpu_ticks(cores: set[int]) -> tuple[int, int]:
+    """The busy and the steal clock ticks of `cores` since boot (/proc/stat)."""
+    busy = steal = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            user, nice, system, _idle, _iowait, irq, softirq, steal_ = map(int, fields[:8])
+            busy += user + nice + system + irq + softirq
+            steal += steal_
+    return busy, steal
 
 
-def run_tracked(cmd: list[str], log: Path) -> float:
-    """Run `cmd` to its end (output to `log`); the peak memory of its process tree in GiB."""
+def pinned_env(tool: str, cores: set[int]) -> dict[str, str]:
+    """Each tool's compute threads: one per core of `cores`, thread i bound to core i. m2po binds
+    through vLLM's CPU binding (the learner shares the engine's process and its threads); TRL through
+    OpenMP's places. Both processes, and all they start, may run on `cores` only (`run_measured`).
+    Both allocate as m2po's package asks torch to: blocks of 2 MiB and more on huge pages."""
+    listed = ",".join(map(str, sorted(cores)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)), MKL_NUM_THREADS=str(len(cores)))
+    env["THP_MEM_ALLOC_ENABLE"] = "1"
+    if tool == "m2po":
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": listed, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    else:
+        env |= {"OMP_PROC_BIND": "close", "OMP_PLACES": ",".join(f"{{{c}}}" for c in sorted(cores))}
+    return env
+
+
+# Starts the command from a bare interpreter and reports the command's own high-water mark. A process
+# started straight from the bench would carry the bench's: the kernel's mark of a process is the
+# largest resident set of every memory image it has had, the parent's copy before exec included.
+_LAUNCH = """import os, sys
+pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_measured(cmd: list[str], log: Path, env: dict[str, str], cores: set[int]) -> dict[str, float]:
+    """Run `cmd` on `cores` to its end (output to `log`). Its peak memory is the kernel's high-water
+    mark (`wait4`: the largest resident set of the process and of every descendant it waited for,
+    GiB); nothing samples it while it runs. `other_cpu` is the share of `cores`' time that went to
+    anything but the run, `steal` the share the hypervisor took: both near 0 on a quiet machine."""
+    hz = os.sysconf("SC_CLK_TCK")
+    peak = log.with_suffix(".peak")
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ)
-        peak = PeakMemory(proc.pid)
-        rc = proc.wait()
-        gib = peak.stop()
-    if rc:
-        sys.exit(f"{cmd[0]} ... exited with {rc}; see {log}:\n" + log.read_text()[-3000:])
-    return gib
+        busy0, steal0 = cpu_ticks(cores)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _LAUNCH, str(peak), *cmd],
+            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        )  # fmt: skip
+        _, status, usage = os.wait4(proc.pid, 0)  # the launcher's, its child's CPU time included
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        busy1, steal1 = cpu_ticks(cores)
+    if proc.returncode:
+        sys.exit(f"{cmd[0]} ... exited with {proc.returncode}; see {log}:\n" + log.read_text()[-3000:])
+    capacity = wall * len(cores)
+    return {
+        "peak_gib": int(peak.read_text()) / 2**20,  # KiB on Linux
+        "other_cpu": max(0.0, (busy1 - busy0) / hz - usage.ru_utime - usage.ru_stime) / capacity,
+        "steal": (steal1 - steal0) / hz / capacity,
+    }
 
 
-def run_m2po(recipe: Path, steps: int, seed: int, tmp: Path, staleness: int | None) -> dict:
-    out = tmp / f"m2po-{recipe.stem}-{seed}"
+def run_m2po(
+    recipe: Path,
+    steps: int,
+    seed: int,
+    tmp: Path,
+    staleness: int | None,
+    checkpointing: bool,
+    cores: set[int],
+) -> dict:
+    out = tmp / f"m2po-{recipe.stem}-{seed}-{'ckpt' if checkpointing else 'nockpt'}"
     sets = [f'run.output_dir="{out}"', 'run.name="bench"', f"run.steps={steps}", f"run.seed={seed}"]
-    sets += ['logging.console="plain"', f"checkpoint.every={steps}"]
+    sets += ['logging.console="plain"', "checkpoint.every=0", "checkpoint.export_hf=false"]
+    sets += [f'train.activation_checkpointing="{"full" if checkpointing else "none"}"']
     sets += [] if staleness is None else [f"staleness.s={staleness}"]
     cmd = [sys.executable, "-m", "m2po_cli", "train", str(recipe), *[a for s in sets for a in ("--set", s)]]
-    gib = run_tracked(cmd, tmp / f"{out.name}.log")
+    measured = run_measured(cmd, tmp / f"{out.name}.log", pinned_env("m2po", cores), cores)
     metrics = [json.loads(line) for line in (out / "bench" / "metrics.jsonl").read_text().splitlines()]
     steps_ = [
         {
             "step_s": m["time/step"],
             "generate_s": m["time/generate"],
-            "update_s": m["time/update"],
+            "reward_s": m["time/grade"],
             "generated_tokens": m["rollout/generated_tokens"],
             "trained_tokens": m["perf/learner_tokens_per_s"] * m["time/update"],
             "reward": m["rollout/reward_mean"],
         }
         for m in metrics
     ]
-    return {"steps": steps_, "peak_gib": gib}
+    return {"steps": steps_, **measured}
 
 
-def run_trl(work_path: Path, work: dict, seed: int, tmp: Path) -> dict:
-    out = tmp / f"trl-{seed}.json"
-    cmd = [str(TRL_PYTHON), str(ROOT / "bench" / "peer_trl_worker.py"), str(work_path), str(seed), str(out)]
-    gib = run_tracked(cmd, tmp / f"trl-{seed}.log")
+def run_trl(work_path: Path, work: dict, seed: int, tmp: Path, checkpointing: bool, cores: set[int]) -> dict:
+    setting = "on" if checkpointing else "off"
+    out = tmp / f"trl-{seed}-{'ckpt' if checkpointing else 'nockpt'}.json"
+    worker = ROOT / "bench" / "peer_trl_worker.py"
+    cmd = [str(TRL_PYTHON), str(worker), str(work_path), str(seed), str(out), "--checkpointing", setting]
+    measured = run_measured(cmd, out.with_suffix(".log"), pinned_env("trl", cores), cores)
     result = json.loads(out.read_text())
+    assert result["gradient_checkpointing"] == checkpointing and result["torch_threads"] == len(cores), result
     for i, (batch, step) in enumerate(zip(result["steps"], work["steps"], strict=True)):
         if batch["prompt_ids"] != [p["token_ids"] for p in step]:
             sys.exit(f"step {i}: TRL trained on other prompt token ids than m2po")
-    steps_ = [{**s, "update_s": s["step_s"] - s["generate_s"] - s["reward_s"]} for s in result["steps"]]
-    return {"steps": steps_, "peak_gib": gib}
+    return {"steps": result["steps"], **measured}
 
 
 def summary(run: dict) -> dict[str, float]:
-    """One run's numbers: steady-state speed (all steps but the first) and the reward fifths."""
+    """One run's numbers: steady-state speed (all steps but the first) and the reward fifths. Both
+    tools' update is counted alike: the step's time less generation and the reward, so it holds
+    everything else a step does (m2po: the update, its metrics pass and the weight push; TRL: the
+    update, its logprob pass and its bookkeeping)."""
     steps, steady = run["steps"], run["steps"][1:]
     k = max(1, round(len(steps) / 5))
+    update_s = [s["step_s"] - s["generate_s"] - s["reward_s"] for s in steady]
     return {
         "s/step": statistics.mean(s["step_s"] for s in steady),
+        "generate s": statistics.mean(s["generate_s"] for s in steady),
+        "reward s": statistics.mean(s["reward_s"] for s in steady),
+        "update s": statistics.mean(update_s),
         "gen tok/s": sum(s["generated_tokens"] for s in steady) / sum(s["generate_s"] for s in steady),
-        "update tok/s": sum(s["trained_tokens"] for s in steady) / sum(s["update_s"] for s in steady),
+        "update tok/s": sum(s["trained_tokens"] for s in steady) / sum(update_s),
         "peak GiB": run["peak_gib"],
+        "other CPU %": 100 * run["other_cpu"],
+        "steal %": 100 * run["steal"],
         "reward first 1/5": statistics.mean(s["reward"] for s in steps[:k]),
         "reward last 1/5": statistics.mean(s["reward"] for s in steps[-k:]),
     }
@@ -221,31 +276,28 @@ def difference(a: list[float], b: list[float]) -> dict[str, float]:
     return {"difference": float(diff(x, y)), "low": float(low), "high": float(high), "p": float(test.pvalue)}
 
 
-def report(results: dict[str, list[dict]]) -> None:
+def report(results: dict[str, list[dict]], trl: str, grpo: str) -> None:
+    """A table of `results` (arm: one summary per seed), each arm's speed over `trl`'s, and the
+    learning comparison of `grpo` against `trl`."""
     names = list(next(iter(results.values()))[0])
-    print("| tool | seeds | " + " | ".join(names) + " |")
+    print("| arm | seeds | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     means = {}
-    for tool, runs in results.items():
+    for arm, runs in results.items():
         cells = []
         for name in names:
             m, se = mean_se([r[name] for r in runs])
-            means[tool, name] = m
+            means[arm, name] = m
             cells.append(f"{m:.3f} ± {se:.3f}" if "reward" in name else f"{m:.2f} ± {se:.2f}")
-        print(f"| {tool} | {len(runs)} | " + " | ".join(cells) + " |")
+        print(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
     print()
-    for tool in results:
-        if tool == TRL_GRPO:
-            continue
-        ratios = ", ".join(
-            f"{name} {means[tool, name] / means[TRL_GRPO, name]:.2f}x"
-            for name in names
-            if "reward" not in name
-        )
-        print(f"{tool} / TRL GRPO: {ratios}")
-    mine, theirs = ([r["reward last 1/5"] for r in results[t]] for t in (M2PO_GRPO, TRL_GRPO))
-    print("last-fifth reward by seed, m2po GRPO: " + " ".join(f"{v:.3f}" for v in mine))
-    print("last-fifth reward by seed, TRL GRPO:  " + " ".join(f"{v:.3f}" for v in theirs))
+    speed = [name for name in names if "reward" not in name and "%" not in name]
+    for arm in results:
+        if arm != trl:
+            print(f"{arm} / {trl}: " + ", ".join(f"{n} {means[arm, n] / means[trl, n]:.2f}x" for n in speed))
+    mine, theirs = ([r["reward last 1/5"] for r in results[arm]] for arm in (grpo, trl))
+    print(f"last-fifth reward by seed, {grpo}: " + " ".join(f"{v:.3f}" for v in mine))
+    print(f"last-fifth reward by seed, {trl}: " + " ".join(f"{v:.3f}" for v in theirs))
     if len(mine) > 1 and len(theirs) > 1:
         d = difference(mine, theirs)
         print(
@@ -254,41 +306,82 @@ def report(results: dict[str, list[dict]]) -> None:
         )
 
 
+def parse_cores(text: str) -> set[int]:
+    """ "1", "0,1" or "0-1": the cores the tools run on."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    if not cores <= os.sched_getaffinity(0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this process may run on cores {sorted(os.sched_getaffinity(0))} only"
+        )
+    return cores
+
+
 def main() -> int:
+    everywhere = os.sched_getaffinity(0)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=4, help="seeds of m2po GRPO and of TRL, alternated")
     ap.add_argument("--first-seed", type=int, default=0, help="the seeds are first-seed, first-seed + 1, ...")
-    ap.add_argument("--m2po-seeds", type=int, default=2, help="seeds of the default M2PO recipe (speed)")
+    ap.add_argument("--m2po-seeds", type=int, default=0, help="seeds of the default M2PO recipe (speed)")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--checkpointing", choices=["off", "on"], action="append",
+        help="activation (gradient) checkpointing of both tools' update; repeat for both (default: off, on)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cores", type=parse_cores, default={max(everywhere)},
+        help="the cores both tools run on, a compute thread bound to each (default: the last one; "
+        "the bench itself runs on the others)",
+    )  # fmt: skip
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and metrics in this folder")
     args = ap.parse_args()
     if not TRL_PYTHON.exists():
         sys.exit(f"no TRL venv at {TRL_PYTHON.parent.parent}; run: bash scripts/trl_venv.sh")
+    settings = args.checkpointing or ["off", "on"]
+    if everywhere - args.cores:
+        os.sched_setaffinity(0, everywhere - args.cores)
+    print(
+        f"cores {sorted(args.cores)} for the tools (a bound compute thread on each), "
+        f"{sorted(everywhere - args.cores) or 'none'} for the bench; load average "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True
+    )  # fmt: skip
     work = work_for(GRPO, args.steps)
-    results: dict[str, list[dict]] = {M2PO_GRPO: [], M2PO_DEFAULT: [], TRL_GRPO: []}
+    results: dict[str, list[dict]] = {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as tmp_name:
         tmp = args.keep or Path(tmp_name)
         tmp.mkdir(parents=True, exist_ok=True)
         work_path = tmp / "work.json"
         work_path.write_text(json.dumps(work))
+        turn = 0
         for k, seed in enumerate(range(args.first_seed, args.first_seed + args.seeds)):
-            arms = [M2PO_GRPO, TRL_GRPO] if k % 2 == 0 else [TRL_GRPO, M2PO_GRPO]
-            arms += [M2PO_DEFAULT] if k < args.m2po_seeds else []
-            for arm in arms:
-                if arm == TRL_GRPO:
-                    run = run_trl(work_path, work, seed, tmp)
-                elif arm == M2PO_GRPO:
-                    run = run_m2po(GRPO, args.steps, seed, tmp, staleness=0)
-                else:
-                    run = run_m2po(M2PO, args.steps, seed, tmp, staleness=None)
-                results[arm].append(summary(run))
-                print(f"seed {seed} {arm}: {json.dumps(results[arm][-1])}", flush=True)
+            for setting in settings:
+                on = setting == "on"
+                arms = [M2PO_GRPO, TRL_GRPO] if turn % 2 == 0 else [TRL_GRPO, M2PO_GRPO]
+                arms += [M2PO_DEFAULT] if k < args.m2po_seeds else []
+                turn += 1
+                for arm in arms:
+                    if arm == TRL_GRPO:
+                        run = run_trl(work_path, work, seed, tmp, on, args.cores)
+                    elif arm == M2PO_GRPO:
+                        run = run_m2po(GRPO, args.steps, seed, tmp, 0, on, args.cores)
+                    else:
+                        run = run_m2po(M2PO, args.steps, seed, tmp, None, on, args.cores)
+                    results.setdefault(f"{arm}, checkpointing {setting}", []).append(summary(run))
+                    line = json.dumps(
+                        {k: round(v, 4) for k, v in results[f"{arm}, checkpointing {setting}"][-1].items()}
+                    )
+                    print(f"seed {seed} {arm}, checkpointing {setting}: {line}", flush=True)
     print(
         f"\n{args.steps} steps a run, {time.perf_counter() - t_start:.0f} s in all; load average "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())
     )
-    report({k: v for k, v in results.items() if v})
+    for setting in settings:
+        print(f"\ncheckpointing {setting}:")
+        arms = {k: v for k, v in results.items() if k.endswith(f"checkpointing {setting}")}
+        report(arms, f"{TRL_GRPO}, checkpointing {setting}", f"{M2PO_GRPO}, checkpointing {setting}")
     return 0
 
 

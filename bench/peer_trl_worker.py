@@ -1,13 +1,14 @@
 """TRL's `GRPOTrainer` on the work `bench_peer_trl.py` gives it; runs in `.venv-trl`, never in the project's venv.
 
-    .venv-trl/bin/python bench/peer_trl_worker.py WORK.json SEED OUT.json
+    .venv-trl/bin/python bench/peer_trl_worker.py WORK.json SEED OUT.json --checkpointing on|off
     .venv-trl/bin/python bench/peer_trl_worker.py --gradient ROWS.json GRADS.safetensors OUT.json [--full]
 
 WORK.json (written by the bench) holds the model folder, the prompts of each step (the user turn,
 the token ids m2po trains on, the gold answer) and the shared settings. The worker trains one step
 per rollout batch, in the order given, and writes per step: seconds of the step, of generation and
 of the reward, generated and trained tokens, the mean reward, and the prompt token ids TRL trained
-on (one row per group), which the bench checks against m2po's.
+on (one row per group), which the bench checks against m2po's. `--checkpointing` sets TRL's
+`gradient_checkpointing` (its default is on).
 
 With `--gradient` (`peer_trl_gradient.py`): one step on ROWS.json's rows, whose completions TRL's
 generation returns instead of sampling; writes the gradient TRL would apply, before its optimizer
@@ -230,6 +231,8 @@ def main() -> None:
         return
     work = json.loads(Path(sys.argv[1]).read_text())
     seed, out_path = int(sys.argv[2]), Path(sys.argv[3])
+    if sys.argv[4:5] != ["--checkpointing"] or sys.argv[5:] not in (["on"], ["off"]):
+        sys.exit("usage: peer_trl_worker.py WORK.json SEED OUT.json --checkpointing on|off")
     s = work["settings"]
     rows = [
         {"prompt": [{"role": "user", "content": p["content"]}], "answer": p["answer"]}
@@ -237,7 +240,15 @@ def main() -> None:
         for p in step
     ]
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as tmp:
-        config = config_for(s, tmp, len(work["steps"]), seed, max_grad_norm=s["grad_clip"])
+        checkpointing = sys.argv[5] == "on"
+        config = config_for(
+            s,
+            tmp,
+            len(work["steps"]),
+            seed,
+            max_grad_norm=s["grad_clip"],
+            gradient_checkpointing=checkpointing,
+        )
         clock = StepClock()
         trainer = TimedGRPO(
             model=work["model_dir"],
@@ -252,7 +263,15 @@ def main() -> None:
         {**batch, "step_s": step_s, "reward": r}
         for batch, step_s, r in zip(trainer.batches, clock.seconds, rewards, strict=True)
     ]
-    out_path.write_text(json.dumps({"torch_threads": torch.get_num_threads(), "steps": steps}))
+    out_path.write_text(
+        json.dumps(
+            {
+                "torch_threads": torch.get_num_threads(),
+                "gradient_checkpointing": trainer.args.gradient_checkpointing,
+                "steps": steps,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
