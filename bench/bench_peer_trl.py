@@ -176,7 +176,7 @@ def run_m2po(
     checkpointing: bool,
     cores: set[int],
 ) -> dict:
-    out = tmp / f"m2po-{recipe.stem}-{seed}-{'ckpt' if checkpointing else 'nockpt'}"
+    out = tmp / f"m2po-{recipe.stem}-{seed}-checkpointing-{'on' if checkpointing else 'off'}"
     sets = [f'run.output_dir="{out}"', 'run.name="bench"', f"run.steps={steps}", f"run.seed={seed}"]
     sets += ['logging.console="plain"', "checkpoint.every=0", "checkpoint.export_hf=false"]
     sets += [f'train.activation_checkpointing="{"full" if checkpointing else "none"}"']
@@ -200,7 +200,7 @@ def run_m2po(
 
 def run_trl(work_path: Path, work: dict, seed: int, tmp: Path, checkpointing: bool, cores: set[int]) -> dict:
     setting = "on" if checkpointing else "off"
-    out = tmp / f"trl-{seed}-{'ckpt' if checkpointing else 'nockpt'}.json"
+    out = tmp / f"trl-{seed}-checkpointing-{setting}.json"
     worker = ROOT / "bench" / "peer_trl_worker.py"
     cmd = [str(TRL_PYTHON), str(worker), str(work_path), str(seed), str(out), "--checkpointing", setting]
     measured = run_measured(cmd, out.with_suffix(".log"), pinned_env("trl", cores), cores)
@@ -307,12 +307,11 @@ def report(results: dict[str, list[dict]], trl: str, grpo: str) -> None:
 
 
 def parse_cores(text: str) -> set[int]:
-    """ "1", "0,1" or "0-1": the cores the tools run on."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    if not cores <= os.sched_getaffinity(0):
+    """ "1", "0,1" or "0-1" (as vLLM's CPU binding writes them): the cores the tools run on."""
+    from m2po_cli.rollout.launch import bound_cores
+
+    cores = bound_cores(text)
+    if not cores or not cores <= os.sched_getaffinity(0):
         raise argparse.ArgumentTypeError(
             f"{text!r}: this process may run on cores {sorted(os.sched_getaffinity(0))} only"
         )
@@ -369,11 +368,10 @@ def main() -> int:
                         run = run_m2po(GRPO, args.steps, seed, tmp, 0, on, args.cores)
                     else:
                         run = run_m2po(M2PO, args.steps, seed, tmp, None, on, args.cores)
-                    results.setdefault(f"{arm}, checkpointing {setting}", []).append(summary(run))
-                    line = json.dumps(
-                        {k: round(v, 4) for k, v in results[f"{arm}, checkpointing {setting}"][-1].items()}
-                    )
-                    print(f"seed {seed} {arm}, checkpointing {setting}: {line}", flush=True)
+                    name = f"{arm}, checkpointing {setting}"
+                    results.setdefault(name, []).append(summary(run))
+                    line = json.dumps({key: round(v, 4) for key, v in results[name][-1].items()})
+                    print(f"seed {seed} {name}: {line}", flush=True)
     print(
         f"\n{args.steps} steps a run, {time.perf_counter() - t_start:.0f} s in all; load average "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())
