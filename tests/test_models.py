@@ -183,13 +183,47 @@ def test_failed_build_leaves_nothing_and_stale_temps_are_cleared(cheap_builtin, 
     AutoModelForCausalLM.from_pretrained(final)
 
 
+# ATen's kernel levels, highest first, with the MKL instruction set that matches each.
+KERNEL_LEVELS = [("AVX512", "AVX512"), ("AVX2", "AVX2"), ("DEFAULT", "AVX")]
+
+
+def lower_kernels(own: str) -> dict[str, str] | None:
+    """Float kernels one level below `own` (ATen's level, as `torch.backends.cpu.get_cpu_capability`
+    names it): AVX2 below AVX-512, ATen's scalar `default` with MKL at AVX below AVX2. They stand in
+    for another machine's; None where `own` is already the lowest."""
+    levels = [aten for aten, _ in KERNEL_LEVELS]
+    if own not in levels[:-1]:
+        return None
+    aten, mkl = KERNEL_LEVELS[levels.index(own) + 1]
+    return {"ATEN_CPU_CAPABILITY": aten.lower(), "MKL_ENABLE_INSTRUCTIONS": mkl}
+
+
+def test_the_stand_in_is_below_the_kernels_the_process_runs():
+    """The level read is the one the process runs, which a cap on the whole process lowers (as the
+    suite runs on an AVX2 machine), and the stand-in is one below it."""
+    assert lower_kernels("AVX512") == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert lower_kernels("AVX2") == {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX"}
+    assert lower_kernels("DEFAULT") is None and lower_kernels("SVE256") is None
+    script = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    capped = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"):  # a cap lowers, never raises
+        assert capped.stdout.split() == ["AVX2"]
+
+
 def test_a_machine_with_other_instructions_builds_the_same_weights(tmp_path, monkeypatch):
-    """The warm start's float kernels are ones every x86-64 CPU runs alike. Capping ATen's kernels and
-    MKL at AVX2 stands in for an AVX2 machine: built on the machine's own kernels the weights differ,
-    built portably they are the same bytes, and `m2po_build.json` records them."""
+    """The warm start's float kernels are ones every x86-64 CPU runs alike. Kernels one level below
+    the machine's own (`lower_kernels`) stand in for another machine: built on each machine's own
+    kernels the weights differ, built portably they are the same bytes, and `m2po_build.json`
+    records them. The same property on an AVX-512 and an AVX2 machine."""
+    own = torch.backends.cpu.get_cpu_capability()
+    lower = lower_kernels(own)
+    if lower is None:
+        pytest.skip(f"this CPU runs ATen's lowest kernels ({own})")
     spec = models.BUILTINS["builtin:tiny-qwen3-untied"]
     spec = dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, steps=30, batch_size=32))
-    avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
     def weights(name: str, env: dict[str, str], portable: bool = True) -> bytes:
         out = tmp_path / name
@@ -208,9 +242,9 @@ def test_a_machine_with_other_instructions_builds_the_same_weights(tmp_path, mon
             subprocess.run([*cmd, str(out)], env={**os.environ, **env}, check=True, capture_output=True)
         return (out / "model.safetensors").read_bytes()
 
-    assert weights("own-avx2", avx2, portable=False) != weights("own", {}, portable=False)
+    assert weights("own-lower", lower, portable=False) != weights("own", {}, portable=False)
     native = weights("native", {})
-    assert weights("avx2", avx2) == native
+    assert weights("lower", lower) == native
 
     monkeypatch.setitem(models.BUILTINS, "builtin:tiny-qwen3-untied", spec)
     monkeypatch.setenv("M2PO_CACHE", str(tmp_path / "cache"))
