@@ -252,21 +252,23 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 
 def passes_and_timing(report, args) -> None:
+    from m2po_cli.config import load_recipe
     from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.loss_config import GRPOLoss, M2POLoss
     from m2po_cli.models import resolve_model
     from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
-    from tests.conftest import recipe_for
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = recipe_for(
-            Path(tmp),
+        quickstart = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"
+        overrides = [
+            f'run.output_dir="{tmp}"',
             'model.path="builtin:smollm2-135m-instruct"',
             f"train.micro_batch_sequences={args.micro}",
             "optim.lr=1e-9",  # the weights stay put, so every update sees the same ratios
-        )
+        ]
+        recipe = load_recipe(quickstart, overrides)
         learner = Learner(resolve_model(recipe.model.path), recipe)
     vocab = learner.arch.hf_config["vocab_size"]
     prompt_ids, groups, rewards_PG = synthetic_groups(args.rows // 4, 4, args.max_response, vocab, seed=1)

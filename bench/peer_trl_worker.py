@@ -26,10 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from datasets import Dataset
-from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+if __name__ == "__main__" and sys.argv[1:2] in ([], ["-h"], ["--help"]):  # before TRL: any venv answers
+    print(__doc__.strip())
+    sys.exit(0 if sys.argv[1:] else 2)
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -1,4 +1,4 @@
-"""Run by tests/learner/test_learner.py, alone or under torchrun: 3 steps of real training on a fixed batch.
+"""Run by tests/learner/test_policy.py, alone or under torchrun: 3 steps of real training on a fixed batch.
 
     python tests/workers/dist_learner_worker.py OUT [KEY=VALUE ...]   (recipe overrides, e.g. HSDP degrees)
 

@@ -1,11 +1,11 @@
-"""Run by tests/learner/test_learner.py, alone or under torchrun: m2po updates by both ways to the global mask.
+"""Run by tests/learner/test_policy.py, alone or under torchrun: m2po updates by both ways to the global mask.
 
 Every rank builds the same 9-row batch and keeps its own rows (2 ranks: 6 and 3, an uneven split).
 Before each update the behaviour logprobs are set to the learner's own logprobs at that moment plus
 noise that depends on the row and position only (`update_noise`), plus one large outlier a row, so
 every log-ratio is -noise by construction: which tokens M2PO masks, and which ones the provisional
 mask of `correct_after` gets wrong, follow from the noise alone, never from how the model's numerics
-round on a given CPU (`tests/learner/test_learner.py` checks that construction without a model). For each
+round on a given CPU (`tests/learner/test_policy.py` checks that construction without a model). For each
 case (a `global_pass`, and for `correct_after` the provisional threshold the first update starts
 from) a fresh learner runs two updates; each rank writes the clipped gradient and full weights of
 each update, the tokens its forwards ran over, and the metrics to OUT/rank<r>.pt. With `--idle-rank`

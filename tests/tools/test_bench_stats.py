@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_peer_trl", ROOT / "bench" / "bench_peer_trl.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
