@@ -5,7 +5,7 @@ Shapes: `[B, L]` rows, prompt then response; `mask_BL` marks the response tokens
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,38 +16,45 @@ if TYPE_CHECKING:
     from m2po_cli.config import TrainConfig
 
 
+def rows(optional: bool = False):
+    """A per-row field of `Batch` (`[B]`); an `optional` one may be None."""
+    return field(default=None, metadata={"axis": "B"}) if optional else field(metadata={"axis": "B"})
+
+
+def positions():
+    """A per-position field of `Batch` (`[B, L]`)."""
+    return field(metadata={"axis": "BL"})
+
+
 @dataclass
 class Batch:
     """One rank's rows of a training batch, right-padded to the longest row."""
 
-    tokens_BL: torch.Tensor  # int64
-    mask_BL: torch.Tensor  # float32, 1 on response tokens
-    behaviour_logprobs_BL: torch.Tensor  # float32, 0 off the mask
-    advantages_B: torch.Tensor  # float32
-    lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
+    tokens_BL: torch.Tensor = positions()  # int64
+    mask_BL: torch.Tensor = positions()  # float32, 1 on the trained response tokens
+    behaviour_logprobs_BL: torch.Tensor = positions()  # float32, 0 off the mask
+    advantages_B: torch.Tensor = rows()  # float32
+    lengths_B: torch.Tensor = rows()  # int64, prompt + response tokens of each row
     # int64, each row's number in its rollout batch: an order every rank shares (M2PO's ties); None
     # for rows held whole by one process, whose order here is the order
-    rows_B: torch.Tensor | None = None
+    rows_B: torch.Tensor | None = rows(optional=True)
     # int64, the prompt tokens each row starts with: rows with the same prompt may share its
     # computation (`shared_prompts`); None: every row is computed whole
-    prompt_lengths_B: torch.Tensor | None = None
+    prompt_lengths_B: torch.Tensor | None = rows(optional=True)
     # int64, each row's token class for the loss's metrics (`loss.NUM_SPLITS`: fresh, or a replayed
     # row's age bucket); None: no split
-    split_B: torch.Tensor | None = None
+    split_B: torch.Tensor | None = rows(optional=True)
 
     def take(self, index_K: torch.Tensor) -> Batch:
         """Rows at `index_K`, trimmed to their own longest row (no rows: `[0, 1]`, as `to_batch`)."""
         length = int(self.lengths_B[index_K].max()) if index_K.numel() else 1
-        return Batch(
-            self.tokens_BL[index_K, :length],
-            self.mask_BL[index_K, :length],
-            self.behaviour_logprobs_BL[index_K, :length],
-            self.advantages_B[index_K],
-            self.lengths_B[index_K],
-            None if self.rows_B is None else self.rows_B[index_K],
-            None if self.prompt_lengths_B is None else self.prompt_lengths_B[index_K],
-            None if self.split_B is None else self.split_B[index_K],
-        )
+        taken = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value = value[index_K, :length] if f.metadata["axis"] == "BL" else value[index_K]
+            taken[f.name] = value
+        return Batch(**taken)
 
     @property
     def num_rows(self) -> int:

@@ -216,7 +216,7 @@ def generate_share(
     t_grade = time.perf_counter() - t0 - t_gen
     # One MAX reduction gives the slowest times and the busiest and idlest engine (max of -tokens);
     # only a group's first rank speaks for its engine.
-    tokens = float(batch.response_len_B.sum())
+    tokens = float(batch.trained_len_B.sum())  # the tokens the engine sampled
     engine = [tokens, -tokens] if learner.rank % tp == 0 else [-math.inf, -math.inf]
     largest = all_reduce(torch.tensor([t_gen, t_grade, *engine], dtype=torch.float64), dist.ReduceOp.MAX)
     totals = [tokens, float(batch.rewards_B.double().sum()), float(batch.num_rows)]
@@ -247,7 +247,7 @@ def score_at_behaviour_version(
     logprobs_BL, entropy_BL = learner.score(rows, with_entropy=True)
     mask_BL = rows.mask_BL.bool()
     if everything:
-        batch.learner_R = logprobs_BL[mask_BL]
+        batch.set_learner_logprobs(logprobs_BL, mask_BL)
     diff_BL = (logprobs_BL - rows.behaviour_logprobs_BL).abs() * rows.mask_BL
     sums = torch.stack([diff_BL.sum(), rows.mask_BL.sum(), (entropy_BL * rows.mask_BL).sum()]).double()
     largest = diff_BL.max() if diff_BL.numel() else torch.zeros(())

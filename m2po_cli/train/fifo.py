@@ -26,7 +26,8 @@ class StalenessQueue:
     """FIFO of one rank's rows of whole rollout batches, holding K = s / updates_per_batch batches.
 
     Host memory per rank: K + 1 batches of this rank's rows as packed tensors (`PackedRollouts`),
-    about 4 bytes per token plus 4 per response token (docs/run-directory.md works it out per recipe).
+    4 bytes per token plus 9 per response token and 42 per row (docs/run-directory.md works it out
+    per recipe).
     """
 
     def __init__(self, num_batches: int):

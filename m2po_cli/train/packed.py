@@ -4,10 +4,16 @@ A row is one sampled response with its prompt. `tokens_N` holds every row's prom
 concatenated; row b spans `tokens_N[offsets_B1[b] : offsets_B1[b + 1]]`, its first `prompt_len_B[b]`
 tokens are the prompt. Per-token values exist only for response tokens, row after row (R = the
 rows' response tokens): `behaviour_R` (the engine's logprob at sampling time), `version_R` (the
-weight version that sampled the token) and `learner_R` (the learner's recomputation at the
-generating version, empty unless `algorithm.behaviour_logprobs = "learner"`). A row costs 4 bytes
-per token plus 8 (or 12) per response token plus 48 bytes; texts, answers and problem ids are not
-kept (the grader has read them on the rank that generated the row).
+weight version that sampled the token), `trained_R` (whether the loss trains the token: the tokens
+a policy sampled are, a span an environment wrote is not) and `learner_R` (the learner's
+recomputation at the generating version, on trained tokens, empty unless
+`algorithm.behaviour_logprobs = "learner"`). A row costs 4 bytes per token plus 9 (or 13) per
+response token plus 42 bytes; texts, answers and problem ids are not kept (the grader has read them
+on the rank that generated the row).
+
+Each field is declared once with its axis (`ROW`, `TOKEN`, `RESPONSE`): taking rows, joining
+batches, an empty batch, the all-to-alls of `distribute` and the checkpoint format are generic over
+the fields, so a new per-token field is one declaration.
 
 Rows are packed once, on the rank that generated them (`pack_groups`), with their GRPO advantages
 (a group's rows are generated together, so the rank has the whole group). `distribute` then sends
@@ -29,6 +35,13 @@ from m2po_cli.distributed import gather, transfer_device
 from m2po_cli.learner.batch import Batch
 from m2po_cli.rollout.types import Completion
 
+ROW, TOKEN, RESPONSE = "row", "token", "response"  # one value per row, per token, per response token
+
+
+def column(axis: str, dtype: torch.dtype, optional: bool = False):
+    """A tensor field of `PackedRollouts` along `axis`; an `optional` one may be empty (not computed)."""
+    return field(metadata={"axis": axis, "dtype": dtype, "optional": optional})
+
 
 @dataclass
 class PackedRollouts:
@@ -38,19 +51,28 @@ class PackedRollouts:
     groups may come from several versions and weights change while a request is in flight)."""
 
     version: int
-    row_B: Tensor  # int64: the row's index in the rollout batch (prompt-major: prompt p, sample g -> p*n+g)
-    tokens_N: Tensor  # int32: prompt then response of every row
-    offsets_B1: Tensor  # int64, B + 1 entries: where each row starts in tokens_N
-    prompt_len_B: Tensor  # int64
-    behaviour_R: Tensor  # float32: the engine's logprob of each response token
-    learner_R: Tensor  # float32: the learner's, at `version` (empty until scored, if ever)
-    advantages_B: Tensor  # float32: the row's GRPO advantage
-    rewards_B: Tensor  # float32
-    finished_B: Tensor  # bool: stopped on EOS rather than on the length limit
-    solved_B: Tensor  # bool: some row of the row's group has a reward > 0
-    version_B: Tensor  # int64: the policy version the row's request was submitted at
-    version_R: Tensor  # int32: the policy version that sampled each response token (>= version_B)
+    # the row's index in the rollout batch (prompt-major: prompt p, sample g -> p*n+g)
+    row_B: Tensor = column(ROW, torch.int64)
+    tokens_N: Tensor = column(TOKEN, torch.int32)  # prompt then response of every row
+    offsets_B1: Tensor = field()  # int64, B + 1 entries: where each row starts in tokens_N
+    prompt_len_B: Tensor = column(ROW, torch.int64)
+    behaviour_R: Tensor = column(RESPONSE, torch.float32)  # the engine's logprob of each response token
+    # the learner's logprob at `version` of each response token (0 on untrained ones; empty until scored)
+    learner_R: Tensor = column(RESPONSE, torch.float32, optional=True)
+    advantages_B: Tensor = column(ROW, torch.float32)  # the row's GRPO advantage
+    rewards_B: Tensor = column(ROW, torch.float32)
+    finished_B: Tensor = column(ROW, torch.bool)  # stopped on EOS rather than on the length limit
+    solved_B: Tensor = column(ROW, torch.bool)  # some row of the row's group has a reward > 0
+    version_B: Tensor = column(ROW, torch.int64)  # the policy version the row's request was submitted at
+    # the policy version that sampled each response token (>= version_B)
+    version_R: Tensor = column(RESPONSE, torch.int32)
+    trained_R: Tensor = column(RESPONSE, torch.bool)  # the loss trains the token
     meta: dict[str, float] = field(default_factory=dict)  # the batch's timings (slowest engine's)
+
+    @classmethod
+    def columns(cls, axis: str | None = None) -> list[str]:
+        """The names of the tensor fields along `axis` (all of them: None), in declaration order."""
+        return [f.name for f in fields(cls) if "axis" in f.metadata and axis in (None, f.metadata["axis"])]
 
     @property
     def num_rows(self) -> int:
@@ -63,6 +85,13 @@ class PackedRollouts:
     @property
     def response_len_B(self) -> Tensor:
         return self.lengths_B - self.prompt_len_B
+
+    @property
+    def trained_len_B(self) -> Tensor:
+        """The trained tokens of each row."""
+        trained_B = torch.zeros(self.num_rows, dtype=torch.long)
+        owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
+        return trained_B.index_add_(0, owner_R, self.trained_R.long())
 
     @property
     def num_bytes(self) -> int:
@@ -78,46 +107,55 @@ class PackedRollouts:
         index_K = index_K.long()
         return _segments(self.response_offsets()[index_K], self.response_len_B[index_K])
 
+    def trained_index(self, index_K: Tensor) -> Tensor:
+        """`response_index(index_K)` restricted to the trained tokens."""
+        index_R = self.response_index(index_K)
+        return index_R[self.trained_R[index_R]]
+
     def take(self, index_K: Tensor) -> PackedRollouts:
         """Rows at local positions `index_K`, in that order."""
         index_K = index_K.long()
         lengths_K = self.lengths_B[index_K]
-        tokens = self.tokens_N[_segments(self.offsets_B1[index_K], lengths_K)]
-        resp = self.response_index(index_K)
-        return replace(
-            self,
-            row_B=self.row_B[index_K],
-            tokens_N=tokens,
-            offsets_B1=torch.nn.functional.pad(lengths_K.cumsum(0), (1, 0)),
-            prompt_len_B=self.prompt_len_B[index_K],
-            behaviour_R=self.behaviour_R[resp],
-            learner_R=self.learner_R[resp] if self.learner_R.numel() else self.learner_R,
-            advantages_B=self.advantages_B[index_K],
-            rewards_B=self.rewards_B[index_K],
-            finished_B=self.finished_B[index_K],
-            solved_B=self.solved_B[index_K],
-            version_B=self.version_B[index_K],
-            version_R=self.version_R[resp],
-            meta=dict(self.meta),
-        )
+        along = {
+            ROW: index_K,
+            TOKEN: _segments(self.offsets_B1[index_K], lengths_K),
+            RESPONSE: self.response_index(index_K),
+        }
+        taken = {}
+        for f in fields(self):
+            if "axis" in f.metadata:
+                t = getattr(self, f.name)
+                kept = not f.metadata["optional"] or self.has(f.name)
+                taken[f.name] = t[along[f.metadata["axis"]]] if kept else self._empty(f.name)
+        return replace(self, **taken, offsets_B1=_offsets(lengths_K), meta=dict(self.meta))
 
-    @staticmethod
-    def cat(parts: list[PackedRollouts], row_B: Tensor) -> PackedRollouts:
-        """The rows of `parts`, one after the other, renumbered `row_B`; `version` is the oldest."""
-        lengths_B = torch.cat([p.lengths_B for p in parts])
-        per_row = [
-            f.name for f in fields(PackedRollouts) if f.name not in ("version", "meta", "row_B", "offsets_B1")
-        ]
-        tensors = {name: torch.cat([getattr(p, name) for p in parts]) for name in per_row}
-        return PackedRollouts(
+    @classmethod
+    def cat(cls, parts: list[PackedRollouts], row_B: Tensor) -> PackedRollouts:
+        """The rows of `parts`, one after the other, renumbered `row_B`; `version` is the oldest. An
+        optional field is kept only where every part has it."""
+        joined = {
+            name: torch.cat([getattr(p, name) for p in parts])
+            if all(p.has(name) for p in parts)
+            else cls._empty(name)
+            for name in cls.columns()
+            if name != "row_B"
+        }
+        return cls(
             version=min(p.version for p in parts),
             row_B=row_B,
-            offsets_B1=torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0)),
-            **tensors,
+            offsets_B1=_offsets(torch.cat([p.lengths_B for p in parts])),
+            **joined,
         )
 
+    def has(self, name: str) -> bool:
+        """Whether the field `name` holds a value for each of its positions (an optional one may not)."""
+        axis = next(f.metadata["axis"] for f in fields(self) if f.name == name)
+        size = {ROW: self.num_rows, TOKEN: self.tokens_N.numel(), RESPONSE: int(self.response_len_B.sum())}
+        return getattr(self, name).numel() == size[axis]
+
     def to_batch(self, index_K: Tensor, behaviour: str = "engine") -> Batch:
-        """Right-padded `[K, L]` tensors of the rows at local positions `index_K` (prompt + response).
+        """Right-padded `[K, L]` tensors of the rows at local positions `index_K` (prompt + response);
+        the mask marks the trained response tokens, and the behaviour logprobs are 0 off it.
 
         `behaviour` picks the behaviour logprobs: the engine's, or the learner's at `version`.
         """
@@ -132,10 +170,12 @@ class PackedRollouts:
         tokens_KL = torch.zeros(num_rows, length, dtype=torch.long)
         tokens_KL[row_N, position_N] = rows.tokens_N.long()
         is_response_N = position_N >= rows.prompt_len_B[row_N]
+        trained_N = torch.zeros_like(is_response_N)
+        trained_N[is_response_N] = rows.trained_R
         mask_KL = torch.zeros(num_rows, length)
-        mask_KL[row_N[is_response_N], position_N[is_response_N]] = 1.0
+        mask_KL[row_N[trained_N], position_N[trained_N]] = 1.0
         behaviour_KL = torch.zeros(num_rows, length)
-        behaviour_KL[row_N[is_response_N], position_N[is_response_N]] = logprobs_R
+        behaviour_KL[row_N[trained_N], position_N[trained_N]] = logprobs_R[rows.trained_R]
         return Batch(
             tokens_KL,
             mask_KL,
@@ -146,39 +186,44 @@ class PackedRollouts:
             rows.prompt_len_B.clone(),
         )
 
+    def set_learner_logprobs(self, logprobs_BL: Tensor, mask_BL: Tensor) -> None:
+        """Keep the learner's logprobs of every row (`to_batch` of all rows, scored) as `learner_R`:
+        on the trained tokens (`mask_BL`), 0 on the others."""
+        self.learner_R = torch.zeros_like(self.behaviour_R)
+        self.learner_R[self.trained_R] = logprobs_BL[mask_BL]
+
     # --- as tensors: checkpoints and collectives ---------------------------------------------------
 
     def tensors(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("version", "meta")}
+        return {name: getattr(self, name) for name in ["offsets_B1", *self.columns()]}
 
     @classmethod
     def from_tensors(cls, version: int, tensors: dict[str, Tensor], meta: dict[str, float]) -> PackedRollouts:
+        responses_B = tensors["offsets_B1"].diff() - tensors["prompt_len_B"]
         if "version_B" not in tensors:  # written before rows carried their version: all rows share it
             tensors = {**tensors, "version_B": torch.full_like(tensors["row_B"], version)}
         if "version_R" not in tensors:  # written before tokens carried theirs: each row's own
-            responses_B = tensors["offsets_B1"].diff() - tensors["prompt_len_B"]
             tensors = {**tensors, "version_R": tensors["version_B"].repeat_interleave(responses_B).int()}
+        if "trained_R" not in tensors:  # written before tokens carried the flag: every one trained
+            tensors = {**tensors, "trained_R": torch.ones(int(responses_B.sum()), dtype=torch.bool)}
         return cls(version=version, meta=meta, **tensors)
+
+    @staticmethod
+    def _empty(name: str) -> Tensor:
+        return torch.zeros(
+            0, dtype=next(f for f in fields(PackedRollouts) if f.name == name).metadata["dtype"]
+        )
 
     @classmethod
     def empty(cls, version: int) -> PackedRollouts:
         """No rows: what a rank that generated nothing contributes to `distribute`."""
-        long, flt = torch.zeros(0, dtype=torch.long), torch.zeros(0)
         return cls(
-            version,
-            long,
-            torch.zeros(0, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.long),
-            long,
-            flt,
-            flt,
-            flt,
-            flt,
-            torch.zeros(0, dtype=torch.bool),
-            torch.zeros(0, dtype=torch.bool),
-            long,
-            torch.zeros(0, dtype=torch.int32),
+            version, offsets_B1=torch.zeros(1, dtype=torch.long), **{n: cls._empty(n) for n in cls.columns()}
         )
+
+
+def _offsets(lengths_B: Tensor) -> Tensor:
+    return torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0))
 
 
 def _segments(starts_K: Tensor, lengths_K: Tensor) -> Tensor:
@@ -198,7 +243,8 @@ def pack_groups(
     normalize_std: bool,
     std_eps: float,
 ) -> PackedRollouts:
-    """Pack P prompts x n completions generated on this rank; their rows start at `first_row`."""
+    """Pack P prompts x n completions generated on this rank; their rows start at `first_row`. Every
+    sampled token is trained."""
     samples = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
     tokens = [t for p, c in samples for t in (*p, *c.token_ids)]
     lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in samples], dtype=torch.long)
@@ -208,10 +254,10 @@ def pack_groups(
         version=version,
         row_B=torch.arange(first_row, first_row + len(samples)),
         tokens_N=torch.tensor(tokens, dtype=torch.int32),
-        offsets_B1=torch.nn.functional.pad(lengths.cumsum(0), (1, 0)),
+        offsets_B1=_offsets(lengths),
         prompt_len_B=torch.tensor([len(p) for p, _ in samples], dtype=torch.long),
         behaviour_R=torch.tensor([x for _, c in samples for x in c.logprobs], dtype=torch.float32),
-        learner_R=torch.zeros(0),
+        learner_R=PackedRollouts._empty("learner_R"),
         advantages_B=advantages_PG.flatten().float(),
         rewards_B=rewards_PG.flatten().float().clone(),
         finished_B=torch.tensor([c.finished for _, c in samples], dtype=torch.bool),
@@ -220,6 +266,7 @@ def pack_groups(
         version_R=torch.tensor(
             [v for _, c in samples for v in (c.versions or [version] * len(c.token_ids))], dtype=torch.int32
         ),
+        trained_R=torch.ones(sum(len(c.token_ids) for _, c in samples), dtype=torch.bool),
     )
 
 
@@ -250,12 +297,14 @@ def distribute(
     `row_B` order.
 
     A collective: every rank passes its own pack (empty if it generated nothing). Every rank's row
-    numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Six
-    all-to-alls of compact tensors (counts, row fields, tokens, logprobs, versions); `meta` stays
-    with the rank that holds it. Tensors travel on the GPU when there is one (`transfer_device`).
-    Rows are distributed before the learner scores them, so `learner_R` does not travel.
+    numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Then
+    one all-to-all of the counts and one per axis, each carrying that axis's fields as raw bytes
+    (per row: the length and every row field, 42 bytes; per token: 4; per response token: 9);
+    `meta` stays with the rank that holds it. Tensors travel on the GPU when there is one
+    (`transfer_device`). Rows are distributed before the learner scores them, so the optional
+    fields (`learner_R`) do not travel.
     """
-    assert not pack.learner_R.numel(), "distribute rows before scoring them"
+    assert not any(getattr(pack, n).numel() for n in _optional()), "distribute rows before scoring them"
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return pack
@@ -266,41 +315,55 @@ def distribute(
     by_row_N = torch.argsort(row_N)
     owner_B = owner_N[by_row_N[torch.searchsorted(row_N[by_row_N], pack.row_B)]]
     order_B = torch.sort(owner_B * (pack.row_B.max() + 1 if pack.num_rows else 1) + pack.row_B).indices
-    send = pack.take(order_B)
-    rows_to = torch.bincount(owner_B, minlength=world)
-    send_owner_B = owner_B[order_B]
-    tokens_to = torch.zeros(world, dtype=torch.long).index_add_(0, send_owner_B, send.lengths_B)
-    resp_to = torch.zeros(world, dtype=torch.long).index_add_(0, send_owner_B, send.response_len_B)
-    counts_to = torch.stack([rows_to, tokens_to, resp_to])
+    send, send_owner_B = pack.take(order_B), owner_B[order_B]
+
+    def per_rank(values: Tensor) -> Tensor:
+        return torch.zeros(world, dtype=torch.long).index_add_(0, send_owner_B, values)
+
+    counts_to = torch.stack(
+        [per_rank(torch.ones_like(send_owner_B)), per_rank(send.lengths_B), per_rank(send.response_len_B)]
+    )
     counts_from = _all_to_all(counts_to.T.contiguous(), [1] * world, [1] * world, group, device).T
-    rows_from, tokens_from, resp_from = (c.tolist() for c in counts_from)
-    flags_B = send.finished_B.long() | (send.solved_B.long() << 1)
-    ints_B5 = torch.stack([send.row_B, send.lengths_B, send.prompt_len_B, flags_B, send.version_B], dim=1)
-    floats_B2 = torch.stack([send.advantages_B, send.rewards_B], dim=1)
-    rows_to, tokens_to, resp_to = rows_to.tolist(), tokens_to.tolist(), resp_to.tolist()
-    ints = _all_to_all(ints_B5, rows_to, rows_from, group, device)
-    floats = _all_to_all(floats_B2, rows_to, rows_from, group, device)
-    tokens = _all_to_all(send.tokens_N, tokens_to, tokens_from, group, device)
-    behaviour = _all_to_all(send.behaviour_R, resp_to, resp_from, group, device)
-    version_R = _all_to_all(send.version_R, resp_to, resp_from, group, device)
-    row_B, lengths_B, prompt_len_B, flags_B, version_B = ints.unbind(1)
-    received = PackedRollouts(
+    sizes = {
+        axis: (to.tolist(), came.tolist())
+        for axis, to, came in zip((ROW, TOKEN, RESPONSE), counts_to, counts_from, strict=True)
+    }
+    travelling = {axis: [n for n in PackedRollouts.columns(axis) if n not in _optional()] for axis in sizes}
+    travelling[ROW] = ["lengths_B", *travelling[ROW]]
+    received: dict[str, Tensor] = {}
+    for axis, names in travelling.items():
+        values = [getattr(send, n) for n in names]
+        came = _all_to_all(_as_bytes(values), *sizes[axis], group, device)
+        received |= _from_bytes(came, names, [v.dtype for v in values])
+    lengths_B = received.pop("lengths_B")
+    rows = PackedRollouts(
         version=pack.version,
-        row_B=row_B,
-        tokens_N=tokens,
-        offsets_B1=torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0)),
-        prompt_len_B=prompt_len_B,
-        behaviour_R=behaviour,
-        learner_R=torch.zeros(0),
-        advantages_B=floats[:, 0].contiguous(),
-        rewards_B=floats[:, 1].contiguous(),
-        finished_B=(flags_B & 1).bool(),
-        solved_B=(flags_B & 2).bool(),
-        version_B=version_B.contiguous(),
-        version_R=version_R,
+        offsets_B1=_offsets(lengths_B),
+        **received,
+        **{n: PackedRollouts._empty(n) for n in _optional()},
         meta=dict(pack.meta),
     )
-    return received.take(torch.sort(received.row_B).indices)
+    return rows.take(torch.sort(rows.row_B).indices)
+
+
+def _optional() -> list[str]:
+    return [f.name for f in fields(PackedRollouts) if f.metadata.get("optional")]
+
+
+def _as_bytes(values: list[Tensor]) -> Tensor:
+    """Tensors of one length as the columns of one `[length, bytes]` uint8 tensor."""
+    n = values[0].shape[0]
+    return torch.cat([v.contiguous().view(torch.uint8).view(n, v.element_size()) for v in values], dim=1)
+
+
+def _from_bytes(data: Tensor, names: list[str], dtypes: list[torch.dtype]) -> dict[str, Tensor]:
+    """The tensors `_as_bytes` joined, back by name."""
+    out, start = {}, 0
+    for name, dtype in zip(names, dtypes, strict=True):
+        width = torch.empty(0, dtype=dtype).element_size()
+        out[name] = data[:, start : start + width].contiguous().view(dtype).view(-1)
+        start += width
+    return out
 
 
 def _all_to_all(x: Tensor, send: list[int], receive: list[int], group, device) -> Tensor:

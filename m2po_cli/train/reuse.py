@@ -16,7 +16,7 @@ whole, its rows where its fresh update dealt them); replayed groups take row num
 ones, one group's rows together, so M2PO's ties and shared prompts see them as a group.
 
 Host memory per rank: the rows of `buffer` rollout batches, as the staleness FIFO holds them (about
-4 bytes per token plus 8 per response token); docs/reuse.md works it out at the 8B recipe's sizes.
+4 bytes per token plus 9 per response token); docs/reuse.md works it out at the 8B recipe's sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -157,10 +157,8 @@ class ReplayBuffer:
                 updates[u] = torch.cat([updates[u], *mine])
         if len(parts) == 1:
             return StepPlan(fresh, updates, split_parts[0])
-        if not all(p.learner_R.numel() == p.behaviour_R.numel() for p in parts):
-            # The learner's logprobs at the behaviour version go with the rows only where every row
-            # has them (`algorithm.behaviour_logprobs = "learner"`; a recorded step's fresh rows).
-            parts = [replace(p, learner_R=p.learner_R[:0]) for p in parts]
+        # The learner's logprobs at the behaviour version go with the rows only where every row has
+        # them (`algorithm.behaviour_logprobs = "learner"`; a recorded step's fresh rows): `cat`.
         batch = PackedRollouts.cat(parts, torch.cat([p.row_B for p in parts]))
         batch.version, batch.meta = fresh.version, fresh.meta
         return StepPlan(batch, updates, torch.cat(split_parts))

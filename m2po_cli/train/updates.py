@@ -46,7 +46,8 @@ def train_on(
     if plan is None:
         plan = StepPlan(batch, mini_batch_updates(batch, recipe), None)
     batch, num_updates = plan.batch, len(plan.updates)
-    counts_U = torch.tensor([float(batch.response_len_B[k].sum()) for k in plan.updates], dtype=torch.float64)
+    trained_B = batch.trained_len_B
+    counts_U = torch.tensor([float(trained_B[k].sum()) for k in plan.updates], dtype=torch.float64)
     tokens_U = all_reduce(counts_U, dist.ReduceOp.SUM)  # the global token count of each update
     totals: dict[str, float] = {}
     staleness_R = torch.zeros(batch.version_R.numel(), dtype=torch.long)
@@ -59,7 +60,7 @@ def train_on(
         else (plan.split_B > 0).repeat_interleave(batch.response_len_B)
     )
     for u, index_K in enumerate(plan.updates):
-        tokens = batch.response_index(index_K)
+        tokens = batch.trained_index(index_K)
         staleness_R[tokens] = learner.version - batch.version_R[tokens].long()
         trained_R = staleness_R[tokens]
         old_R = replayed_R[tokens]
@@ -153,7 +154,7 @@ def record_sample(
         return None
     group, device = world_group(), transfer_device()
     rows_N = gather(batch.row_B[index_K], group, via=device)  # in rank order, which is row order
-    lengths_N = gather(batch.response_len_B[index_K], group, via=device)
+    lengths_N = gather(batch.trained_len_B[index_K], group, via=device)
     picked, _ = recorder.pick(step, learner.version, rows_N.tolist(), lengths_N.tolist())
     chosen_N = gather(torch.tensor(picked, dtype=torch.long), group, via=device)
     mine_K = index_K[torch.isin(batch.row_B[index_K], chosen_N)]
@@ -167,13 +168,14 @@ def record_sample(
         return torch.full((rows.num_rows,), value, dtype=torch.long)
 
     scored = bool(batch.learner_R.numel())  # every row was scored at its behaviour version
+    behaviour_N = rows.behaviour_R[rows.trained_R]
     return Sample(
-        behaviour_logprobs_N=rows.behaviour_R,
-        learner_logprobs_N=rows.learner_R if scored else torch.zeros_like(rows.behaviour_R),
+        behaviour_logprobs_N=behaviour_N,
+        learner_logprobs_N=rows.learner_R[rows.trained_R] if scored else torch.zeros_like(behaviour_N),
         logprobs_N=logprobs_BL[mask_BL],
         entropy_N=entropy_BL[mask_BL],
-        staleness_N=staleness_R[batch.response_index(mine_K)],
-        lengths_R=rows.response_len_B,
+        staleness_N=staleness_R[batch.trained_index(mine_K)],
+        lengths_R=rows.trained_len_B,
         advantages_R=rows.advantages_B,
         update_R=per_row(learner.version),
         row_R=rows.row_B,
@@ -184,7 +186,7 @@ def record_sample(
 def rollout_metrics(batch: PackedRollouts) -> dict[str, float]:
     """Metrics of the whole rollout batch (a collective: sums over every rank's rows), with the
     source's own (`batch.meta`)."""
-    lengths_B = batch.response_len_B.double()
+    lengths_B = batch.trained_len_B.double()
     sums = torch.stack(
         [
             torch.tensor(float(batch.num_rows)),

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -164,6 +170,65 @@ def test_engine_shares_split_the_prompts_like_tensor_split():
 def test_distribute_on_one_rank_keeps_everything():
     pack, *_ = random_pack(1)
     assert distribute(pack, torch.zeros(pack.num_rows, dtype=torch.long)) is pack
+
+
+ROWS_PER_UPDATE = 6
+DIST_WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_packed_worker.py"
+
+
+def spanned_pack() -> PackedRollouts:
+    """`random_pack` with untrained spans (every third response token) and tokens of mixed versions."""
+    pack, *_ = random_pack(11, num_prompts=6, n=3)
+    pack.trained_R = torch.arange(pack.trained_R.numel()) % 3 != 1
+    pack.version_R = pack.version_R - torch.arange(pack.version_R.numel(), dtype=torch.int32) % 2
+    return pack
+
+
+def test_take_and_cat_carry_every_declared_field_as_a_literal_loop():
+    """Each field moves with its axis: per row, per token, per response token; `cat` renumbers."""
+    pack = spanned_pack()
+    index = torch.tensor([7, 2, 2, 15, 0])
+    taken = pack.take(index)
+    assert set(PackedRollouts.columns()) == set(pack.tensors()) - {"offsets_B1"}
+    for k, b in enumerate(index.tolist()):
+        start, end = pack.offsets_B1[b], pack.offsets_B1[b + 1]
+        assert torch.equal(
+            taken.tokens_N[taken.offsets_B1[k] : taken.offsets_B1[k + 1]], pack.tokens_N[start:end]
+        )
+        mine = pack.response_index(torch.tensor([b]))
+        theirs = taken.response_index(torch.tensor([k]))
+        for name in PackedRollouts.columns("response"):
+            if name != "learner_R":
+                assert torch.equal(getattr(taken, name)[theirs], getattr(pack, name)[mine]), name
+        for name in PackedRollouts.columns("row"):
+            assert torch.equal(getattr(taken, name)[k], getattr(pack, name)[b]), name
+        assert int(taken.trained_len_B[k]) == int(pack.trained_R[mine].sum())
+    joined = PackedRollouts.cat([taken, pack.take(torch.tensor([3]))], torch.arange(6))
+    assert joined.row_B.tolist() == list(range(6)) and not joined.learner_R.numel()
+    assert_same(joined.take(torch.arange(5)), replace(taken, row_B=torch.arange(5)))
+    scored = replace(taken, learner_R=torch.randn(taken.behaviour_R.shape))
+    assert torch.equal(
+        PackedRollouts.cat([scored, scored], torch.arange(10)).learner_R, scored.learner_R.repeat(2)
+    )
+    assert not PackedRollouts.cat([scored, taken], torch.arange(10)).learner_R.numel(), "one part unscored"
+
+
+def test_distribute_on_two_ranks_gives_each_its_rows_bit_for_bit(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(DIST_WORKER.parents[2])}
+    done = subprocess.run(
+        [*command, str(DIST_WORKER), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pack = spanned_pack()
+    owner_B = owners(pack.row_B, pack.lengths_B, ROWS_PER_UPDATE, 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        version, meta = got.pop("version"), got.pop("meta")
+        want = pack.take((owner_B == rank).nonzero().squeeze(1))
+        assert version == pack.version and meta == {"rank": float(rank)}
+        assert_same(PackedRollouts.from_tensors(version, got, meta), replace(want, meta=meta))
+    assert not all(pack.trained_R), "the spans must travel"
 
 
 def assert_same(a: PackedRollouts, b: PackedRollouts):
