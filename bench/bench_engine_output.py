@@ -47,6 +47,7 @@ def main() -> None:
     from m2po_cli.rollout import producer as producer_module
     from m2po_cli.rollout.producer import RolloutProducer
     from m2po_cli.rollout.server import EngineServer, sampling_body
+    from m2po_cli.schedule import Schedule
 
     def text_body(prompt, cfg, seed, model):
         body = sampling_body(prompt, cfg, seed, model)
@@ -78,7 +79,8 @@ def main() -> None:
                 for mode, body in bodies.items():
                     producer_module.sampling_body = body
                     # A bound of steps - 1 at version 0 admits exactly the steps taken: nothing left in flight.
-                    producer = RolloutProducer([server], prompts, recipe.rollout, per_step, args.steps - 1, 0)
+                    schedule = Schedule(per_step, per_step, recipe.rollout.n)
+                    producer = RolloutProducer([server], prompts, recipe.rollout, schedule, args.steps - 1, 0)
                     producer.start()
                     t0 = time.perf_counter()
                     for _ in range(args.steps):

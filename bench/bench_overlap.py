@@ -127,7 +127,9 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
     from m2po_cli.rollout.server import EngineServer
     from m2po_cli.rollout.transport import ShmWeightTransport
     from m2po_cli.rollout.types import Finished, Ticket
+    from m2po_cli.schedule import Schedule
     from m2po_cli.train.packed import PackedRollouts
+    from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.separate import settle
     from m2po_cli.train.updates import train_on
 
@@ -144,7 +146,8 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         server.set_version(0)
         server.check({}, recipe.max_model_len)  # reads its concurrency
         # Generation alone: every step's groups admitted at once, the learner idle.
-        producer = RolloutProducer([server], prompts, recipe.rollout, per_step, steps, 0)
+        schedule = Schedule(per_step, per_step, recipe.rollout.n)
+        producer = RolloutProducer([server], prompts, recipe.rollout, schedule, steps, 0)
         producer.start()
         producer.take(per_step, 0)  # the engine warms up
         t0 = time.perf_counter()
@@ -156,7 +159,7 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
         # (a bound of 0 at version 0 admits one step), the next step's once the last one has finished.
         t0 = time.perf_counter()
         for _ in range(args.steps // 2):
-            batch_producer = RolloutProducer([server], prompts, recipe.rollout, per_step, 0, 0)
+            batch_producer = RolloutProducer([server], prompts, recipe.rollout, schedule, 0, 0)
             batch_producer.start()
             batch_producer.take(per_step, 0)
             batch_producer.stop()
@@ -174,7 +177,15 @@ def alone(args: argparse.Namespace, out: Path) -> tuple[float, float]:
                 finished = [Finished(Ticket(g.epoch, g.prompt), g.version, g.rows) for g in taken]
                 rows = settle(finished, grader, recipe)
                 batch = PackedRollouts.cat(rows, torch.arange(len(rows) * recipe.rollout.n))
-                train_on(batch, learner, loss_fn, transport.after_update, recipe, recorder, step)
+                train_on(
+                    plan_passes(batch, Schedule.of(recipe)),
+                    learner,
+                    loss_fn,
+                    transport.after_update,
+                    recipe,
+                    recorder,
+                    step,
+                )
                 times.append(time.perf_counter() - t0)
         transport.close()
         train = sum(times[args.warmup :]) / len(times[args.warmup :])

@@ -325,8 +325,10 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     from m2po_cli.loss import build_loss
     from m2po_cli.record import Recorder
     from m2po_cli.rollout.types import Completion
+    from m2po_cli.schedule import Schedule
     from m2po_cli.train.colocated import score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.updates import train_on
 
     with tempfile.TemporaryDirectory(prefix="m2po-gpu-check-learner-") as out:
@@ -350,7 +352,10 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
         loss_fn = build_loss(recipe.loss)
         if ON_GPU:
             torch.cuda.reset_peak_memory_stats()
-        steps = [train_on(batch, learner, loss_fn, None, recipe, recorder, step) for step in range(3)]
+        steps = [
+            train_on(plan_passes(batch, Schedule.of(recipe)), learner, loss_fn, None, recipe, recorder, step)
+            for step in range(3)
+        ]
         peak = torch.cuda.max_memory_allocated() / 1e9 if ON_GPU else None
     return {"steps": steps, "peak_gb": peak, "tokens": int(batch.offsets_B1[-1])}
 

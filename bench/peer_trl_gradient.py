@@ -75,7 +75,9 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     from m2po_cli.loss import build_loss
     from m2po_cli.models import load_tokenizer, resolve_model
     from m2po_cli.record import Recorder
+    from m2po_cli.schedule import Schedule
     from m2po_cli.train.colocated import build_engine, rollout
+    from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.updates import train_on
 
     sets = ["staleness.s=0", "optim.grad_clip=0", f"run.seed={seed}", f'run.output_dir="{tmp}"']
@@ -108,7 +110,9 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
 
     learner.optimizer.register_step_pre_hook(keep)
     mismatch = {k: batch.meta[k] for k in ("rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max")}
-    metrics = train_on(batch, learner, build_loss(recipe.loss), None, recipe, recorder, 0)
+    metrics = train_on(
+        plan_passes(batch, Schedule.of(recipe)), learner, build_loss(recipe.loss), None, recipe, recorder, 0
+    )
     save_file({k: v.contiguous() for k, v in grads.items()}, str(tmp / "m2po_grads.safetensors"))
     engine.close()  # after the update: closing the engine ends the process group the learner uses
 

@@ -12,9 +12,9 @@ token carries the version that sampled it (the server's weight-version spans); a
 engine version at submission, the oldest any of its tokens can have.
 
 Bounded staleness. The learner takes groups in admission order, B prompts per optimizer update, so
-the group admitted a-th is trained last by update `last_update(a)` = a // B (with `epochs` passes
-over each step's P prompts, the mini-batch's update in the last pass). A new prompt is admitted at
-engine version v only while `last_update(admitted) <= v + max_staleness`: its tokens, sampled at v or
+the group admitted a-th is trained last by update `schedule.last_update(a)` = a // B (with `epochs`
+passes over each step's P prompts, the mini-batch's update in the last pass; `m2po_cli.schedule`). A
+new prompt is admitted at engine version v only while `last_update(admitted) <= v + max_staleness`: its tokens, sampled at v or
 later, are trained no later than max_staleness updates after their own version, and nothing is ever
 dropped. Admission order also keeps the trained sample unbiased: a long response is trained in its
 turn, not after the short ones that overtook it.
@@ -55,6 +55,7 @@ from m2po_cli.rollout.server import (
 )
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion, Finished, Request, Ticket
+from m2po_cli.schedule import Schedule
 
 Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each
 MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops
@@ -79,26 +80,19 @@ class RolloutProducer:
         servers: list[EngineServer],
         prompts: PromptBatches,
         cfg: RolloutConfig,
-        prompts_per_update: int,
+        schedule: Schedule,
         max_staleness: int,
         version: int,
         in_flight: list[Ticket] = (),
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
         run_seed: int = 0,
-        epochs: int = 1,
-        prompts_per_step: int = 0,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
         # The completions' text, decoded here rather than on the engines' side.
         self.decode = functools.partial(prompts.tokenizer.decode, skip_special_tokens=True)
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
-        self.per_update, self.max_staleness = prompts_per_update, max_staleness
-        # Passes over each step's prompts (reuse.epochs), each of per_step / per_update updates; a
-        # single pass needs no step size (one update's prompts stand for it).
-        self.epochs, self.per_step = epochs, prompts_per_step or prompts_per_update
-        if self.per_step % prompts_per_update or (epochs > 1 and not prompts_per_step):
-            raise ValueError(f"epochs = {epochs} needs prompts_per_step, a multiple of prompts_per_update")
+        self.schedule, self.max_staleness = schedule, max_staleness
         self.settle = settle
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
         self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
@@ -106,7 +100,7 @@ class RolloutProducer:
         self.engine_version = version
         # The learner has consumed the groups of the steps before `version`; the carried ones were
         # admitted already, in order.
-        self.consumed = self._step_start(version)
+        self.consumed = schedule.step_start(version)
         # Admitted, to be (re)generated: (admission index, prompt).
         self.resubmit: deque[tuple[int, Ticket]] = deque(enumerate(in_flight, start=self.consumed))
         self.admitted = self.consumed + len(self.resubmit)
@@ -158,29 +152,10 @@ class RolloutProducer:
             self.cond.notify_all()
         first = self.consumed - num_groups  # trained first at learner_version
         for j, g in enumerate(taken):
-            later = self.last_update(first + j) - self._first_update(first)
+            later = self.schedule.last_update(first + j) - self.schedule.first_update(first)
             staleness = learner_version + later - g.version
             assert 0 <= staleness <= self.max_staleness, f"admission let staleness reach {staleness}"
         return taken
-
-    def last_update(self, index: int) -> int:
-        """The last optimizer update (counted from 0) that trains the group admitted `index`-th."""
-        return self._update(index, self.epochs - 1)
-
-    def _first_update(self, index: int) -> int:
-        """The first optimizer update that trains the group admitted `index`-th."""
-        return self._update(index, 0)
-
-    def _update(self, index: int, epoch: int) -> int:
-        """The update of pass `epoch` over its step that trains the group admitted `index`-th (one
-        pass, one step of one update's prompts: index // per_update)."""
-        step, place = divmod(index, self.per_step)
-        mini_batches = self.per_step // self.per_update
-        return (step * self.epochs + epoch) * mini_batches + place // self.per_update
-
-    def _step_start(self, version: int) -> int:
-        """Groups the learner has taken when it starts the step at `version` (a step's first update)."""
-        return version // (self.epochs * self.per_step // self.per_update) * self.per_step
 
     def _check_progress(self, grace_s: float = 0.0) -> None:
         """Under the lock: stop the run if a started server died (waiting `grace_s` for one that is
@@ -357,7 +332,7 @@ class RolloutProducer:
     def bound_reached(self) -> bool:
         """Whether the staleness bound holds admission: one more prompt could not be trained within
         `max_staleness` updates of the engine's version (the learner takes prompts in order)."""
-        return self.last_update(self.admitted) > self.engine_version + self.max_staleness
+        return self.schedule.last_update(self.admitted) > self.engine_version + self.max_staleness
 
     def _update_idle(self) -> None:
         """Under the lock, after any change of what is in flight or whether a sync runs: why the

@@ -27,11 +27,11 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog
-from m2po_cli.train.updates import rows_per_update
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4
@@ -151,7 +151,7 @@ def rollout(
     version when they are the behaviour logprobs or when that step is recorded."""
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
     batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
-    batch = distribute(batch, rows_per_update(recipe))
+    batch = distribute(batch, Schedule.of(recipe))
     recorded = recorder.due(index + recipe.queue_batches)
     everything = recipe.algorithm.behaviour_logprobs == "learner" or recorded
     score_at_behaviour_version(batch, learner, everything, recipe.rollout.n, index)

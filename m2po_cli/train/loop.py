@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from m2po_cli import checkpoint
 from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
-from m2po_cli.distributed import all_reduce
 from m2po_cli.errors import RunError
 from m2po_cli.grader import load_reward
 from m2po_cli.learner.policy import Learner
@@ -31,7 +29,7 @@ from m2po_cli.record import Recorder
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
-from m2po_cli.train.reuse import ReplayBuffer
+from m2po_cli.train.reuse import Reuse, build_reuse
 from m2po_cli.train.runlog import RunLog
 from m2po_cli.train.separate import SeparateSource
 from m2po_cli.train.updates import rollout_metrics, train_on
@@ -94,18 +92,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     `problems` is the loaded prompt set when the caller has already read it (the CLI checks it first).
     """
     run_dir, source_type = recipe.run_dir, SOURCES[recipe.rollout.mode]
-    model_dir = resolve_model(recipe.model.path)
-    # Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
-    # files, the rollout source's own needs, the prompt set.
-    check_model_dir(model_dir)
-    source_type.check(recipe, launch().world)
-    if recipe.reward.function:
-        load_reward(recipe.reward.function)
-    problems = (
-        load_problems(recipe.data, columns=bool(recipe.reward.function)) if problems is None else problems
-    )
-    tokenizer = load_tokenizer(model_dir)
-    prompts = PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+    model_dir, prompts = prepare(recipe, source_type, problems)
     with ExitStack() as stack:  # closes what set-up started, whichever step fails
         learner = Learner(model_dir, recipe)
         torch.manual_seed(recipe.run.seed)
@@ -117,38 +104,24 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         source: RolloutSource = stack.enter_context(
             source_type(model_dir, recipe, learner, prompts, recorder, log, restored)
         )
-        replay = ReplayBuffer(recipe) if recipe.reuse.mode == "replay" else None
-        if replay is not None and restored is not None:
-            replay.load(restored.path, learner.rank, learner.world)
+        reuse = build_reuse(recipe)
+        if restored is not None:
+            reuse.load(restored.path, learner.rank, learner.world)
         source.start(first_step)
         for step in range(first_step, recipe.run.steps):
             t0 = time.perf_counter()
             batch = source.next_batch(step)
             t1 = time.perf_counter()
-            plan = replay.plan(batch, step, learner.version, recipe) if replay is not None else None
-            metrics = train_on(batch, learner, loss_fn, source.after_update, recipe, recorder, step, plan)
-            if replay is not None:
-                replay.push(batch, step)
-                metrics["reuse/buffer_bytes"] = float(
-                    all_reduce(torch.tensor(replay.num_bytes), dist.ReduceOp.MAX)
-                )
-            metrics.update(rollout_metrics(batch))
-            metrics.update(source.take_metrics())
-            metrics.update(step_times(t0, t1, metrics))
+            plan = reuse.plan(batch, step, learner.version)
+            metrics = train_on(plan, learner, loss_fn, source.after_update, recipe, recorder, step)
+            metrics |= reuse.after_step(batch, step) | rollout_metrics(batch) | source.take_metrics()
+            metrics |= step_times(t0, t1, metrics)
             if log is not None:
-                log.log(step, metrics)
-                if recipe.logging.samples and step % recipe.logging.samples_every == 0:
-                    log.samples(step, batch_samples(batch, tokenizer, recipe.logging.samples))
+                log_step(log, recipe, step, metrics, batch, prompts.tokenizer)
             if checkpoint_due(recipe, step):
                 loop_state = {"step": step + 1, "mode": source.mode, **source.state()}
-                checkpoint.save(
-                    run_dir,
-                    step + 1,
-                    learner,
-                    loop_state,
-                    recipe.checkpoint.keep,
-                    saver(source, replay, learner),
-                )
+                save = saver(source, reuse, learner)
+                checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, save)
         if recipe.checkpoint.export_hf:
             learner.export_hf(run_dir / "export", model_dir)
     if log is not None:
@@ -156,14 +129,37 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     return run_dir
 
 
-def saver(source: RolloutSource, replay: ReplayBuffer | None, learner: Learner):
+def prepare(
+    recipe: Recipe, source_type: type[RolloutSource], problems: list[Problem] | None
+) -> tuple[Path, PromptBatches]:
+    """Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
+    files, the rollout source's own needs, the reward function, the prompt set. Returns the model's
+    folder and the prompt batches."""
+    model_dir = resolve_model(recipe.model.path)
+    check_model_dir(model_dir)
+    source_type.check(recipe, launch().world)
+    if recipe.reward.function:
+        load_reward(recipe.reward.function)
+    if problems is None:
+        problems = load_problems(recipe.data, columns=bool(recipe.reward.function))
+    tokenizer = load_tokenizer(model_dir)
+    return model_dir, PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+
+
+def log_step(log: RunLog, recipe: Recipe, step: int, metrics: dict, batch: PackedRollouts, tokenizer) -> None:
+    """The step's line of the run log, and some of its rows as text when `logging.samples` asks."""
+    log.log(step, metrics)
+    if recipe.logging.samples and step % recipe.logging.samples_every == 0:
+        log.samples(step, batch_samples(batch, tokenizer, recipe.logging.samples))
+
+
+def saver(source: RolloutSource, reuse: Reuse, learner: Learner):
     """What each rank writes into a checkpoint folder beside its learner shards: the source's files
-    and its rows of the replay buffer."""
+    and what reuse keeps (the replay buffer's rows)."""
 
     def save(folder: Path) -> None:
         source.save(folder)
-        if replay is not None:
-            replay.save(folder, learner.rank, learner.world)
+        reuse.save(folder, learner.rank, learner.world)
 
     return save
 

@@ -34,6 +34,7 @@ from m2po_cli.advantages import grpo_advantages
 from m2po_cli.distributed import gather, transfer_device
 from m2po_cli.learner.batch import Batch
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 
 ROW, TOKEN, RESPONSE = "row", "token", "response"  # one value per row, per token, per response token
 
@@ -270,7 +271,7 @@ def pack_groups(
     )
 
 
-def owners(row_B: Tensor, lengths_B: Tensor, rows_per_update: int, world: int) -> Tensor:
+def owners(row_B: Tensor, lengths_B: Tensor, schedule: Schedule, world: int) -> Tensor:
     """The rank that trains each row, balanced by tokens: each update's rows are dealt longest first
     (equal lengths by row number) to the rank with the fewest tokens so far (then the fewest rows,
     then the lowest rank). Any two ranks' tokens in an update then differ by at most one row's
@@ -278,7 +279,7 @@ def owners(row_B: Tensor, lengths_B: Tensor, rows_per_update: int, world: int) -
     more where a prompt's samples are alike. The deal depends on the rows alone, not on their order
     or on which rank holds them."""
     owner_B = torch.empty_like(row_B)
-    update_B = row_B // rows_per_update
+    update_B = schedule.mini_batch_of(row_B)
     rows, lengths = row_B.tolist(), lengths_B.tolist()
     for u in update_B.unique().tolist():
         index = (update_B == u).nonzero().squeeze(1).tolist()
@@ -291,7 +292,7 @@ def owners(row_B: Tensor, lengths_B: Tensor, rows_per_update: int, world: int) -
 
 
 def distribute(
-    pack: PackedRollouts, rows_per_update: int, group: dist.ProcessGroup | None = None
+    pack: PackedRollouts, schedule: Schedule, group: dist.ProcessGroup | None = None
 ) -> PackedRollouts:
     """Send each row to the rank that trains it (`owners`); return the rows this rank owns, in
     `row_B` order.
@@ -311,7 +312,7 @@ def distribute(
     device = transfer_device()
     group = dist.group.WORLD if group is None else group
     row_N = gather(pack.row_B, group, via=device)
-    owner_N = owners(row_N, gather(pack.lengths_B, group, via=device), rows_per_update, world)
+    owner_N = owners(row_N, gather(pack.lengths_B, group, via=device), schedule, world)
     by_row_N = torch.argsort(row_N)
     owner_B = owner_N[by_row_N[torch.searchsorted(row_N[by_row_N], pack.row_B)]]
     order_B = torch.sort(owner_B * (pack.row_B.max() + 1 if pack.num_rows else 1) + pack.row_B).indices

@@ -1,7 +1,9 @@
 """Rollout reuse (`[reuse]`): which rows each optimizer update of a step trains.
 
-Off, a step's updates train its rollout batch's mini-batches in turn. `epochs`: the mini-batches of
-every pass, `reuse.epochs` passes (TRL's `num_iterations`, verl's `ppo_epochs`). `replay`: the
+Chosen once from the recipe (`build_reuse`), behind one interface (`Reuse`: plan a step, after a
+step, save, load). Off, a step's updates train its rollout batch's mini-batches in turn. `epochs`:
+the mini-batches of every pass, `reuse.epochs` passes (TRL's `num_iterations`, verl's `ppo_epochs`);
+both are `Passes`, which `m2po_cli.schedule` lays out. `replay`: the
 learner keeps its rows of the last `reuse.buffer` rollout batches (`ReplayBuffer`), and every update
 trains its fresh mini-batch plus groups drawn from them. Replayed rows keep their behaviour logprobs
 and the versions that sampled them, so a replayed token's importance ratio is exact; the loss
@@ -26,6 +28,7 @@ import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,9 @@ from torch import Tensor
 
 from m2po_cli.config import Recipe, ReuseConfig
 from m2po_cli.distributed import all_reduce
+from m2po_cli.learner.batch import Batch
 from m2po_cli.loss import NUM_SPLITS
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.fifo import unshared
 from m2po_cli.train.packed import PackedRollouts
 
@@ -74,13 +79,62 @@ class StepPlan:
     updates: list[Tensor]
     split_B: Tensor | None
 
+    def to_batch(self, index_K: Tensor, behaviour: str) -> Batch:
+        """The learner's batch of the rows at `index_K`, with their token classes."""
+        rows = self.batch.to_batch(index_K, behaviour)
+        rows.split_B = None if self.split_B is None else self.split_B[index_K]
+        return rows
 
-def mini_batch_updates(batch: PackedRollouts, recipe: Recipe) -> list[Tensor]:
-    """The local row indices of each update over the fresh batch: its mini-batches in turn, once
-    per pass (`reuse.epochs` passes in epochs mode)."""
-    update_B = batch.row_B // (recipe.prompts_per_update * recipe.rollout.n)
-    once = [(update_B == u).nonzero().squeeze(1) for u in range(recipe.mini_batches)]
-    return once * recipe.reuse.epochs_per_batch
+    def replayed_R(self) -> Tensor:
+        """Whether each response token's row is a replayed one."""
+        if self.split_B is None:
+            return torch.zeros(self.batch.version_R.numel(), dtype=torch.bool)
+        return (self.split_B > 0).repeat_interleave(self.batch.response_len_B)
+
+
+class Reuse(Protocol):
+    """How a step's rows are trained: which rows each update takes, and what is kept between steps."""
+
+    def plan(self, fresh: PackedRollouts, step: int, version: int) -> StepPlan:
+        """This rank's rows for step `step`, whose first update is at policy `version`."""
+
+    def after_step(self, fresh: PackedRollouts, step: int) -> dict[str, float]:
+        """After the step's updates: keep what later steps reuse; the step's metrics. A collective."""
+
+    def save(self, folder: Path, rank: int, world: int) -> None:
+        """This rank's files in a checkpoint folder."""
+
+    def load(self, folder: Path, rank: int, world: int) -> None:
+        """Read back what `save` wrote."""
+
+
+def build_reuse(recipe: Recipe) -> Reuse:
+    """The recipe's reuse: the replay buffer, or passes over each batch (off: one; epochs: several)."""
+    return ReplayBuffer(recipe) if recipe.reuse.mode == "replay" else Passes(Schedule.of(recipe))
+
+
+def plan_passes(fresh: PackedRollouts, schedule: Schedule) -> StepPlan:
+    """The fresh batch's mini-batches, once per pass; no token classes."""
+    return StepPlan(fresh, schedule.updates(fresh.row_B), None)
+
+
+class Passes:
+    """Each step trains its own batch only, in `schedule.epochs` passes; nothing is kept."""
+
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+
+    def plan(self, fresh: PackedRollouts, step: int, version: int) -> StepPlan:
+        return plan_passes(fresh, self.schedule)
+
+    def after_step(self, fresh: PackedRollouts, step: int) -> dict[str, float]:
+        return {}
+
+    def save(self, folder: Path, rank: int, world: int) -> None:
+        """Nothing to save."""
+
+    def load(self, folder: Path, rank: int, world: int) -> None:
+        """Nothing to load."""
 
 
 class ReplayBuffer:
@@ -88,13 +142,19 @@ class ReplayBuffer:
 
     def __init__(self, recipe: Recipe):
         self.cfg: ReuseConfig = recipe.reuse
+        self.schedule, self.seed = Schedule.of(recipe), recipe.run.seed
         self.n, self.per_step = recipe.rollout.n, recipe.rollout.prompts_per_step
-        self.per_update, self.seed = recipe.prompts_per_update, recipe.run.seed
+        self.per_update = recipe.prompts_per_update
         self.entries: deque[Entry] = deque(maxlen=self.cfg.buffer)
 
     @property
     def num_bytes(self) -> int:
         return sum(e.rows.num_bytes for e in self.entries)
+
+    def after_step(self, fresh: PackedRollouts, step: int) -> dict[str, float]:
+        """Keep the step's fresh rows (`push`); the largest rank's buffer, `reuse/buffer_bytes`."""
+        self.push(fresh, step)
+        return {"reuse/buffer_bytes": float(all_reduce(torch.tensor(self.num_bytes), dist.ReduceOp.MAX))}
 
     def push(self, batch: PackedRollouts, step: int) -> None:
         """Keep this rank's rows of the batch step `step` trained (after its updates); the oldest batch
@@ -135,10 +195,10 @@ class ReplayBuffer:
             picked = torch.multinomial(weights, want, replacement=False, generator=generator).tolist()
         return [pairs[i] for i in picked]
 
-    def plan(self, fresh: PackedRollouts, step: int, version: int, recipe: Recipe) -> StepPlan:
+    def plan(self, fresh: PackedRollouts, step: int, version: int) -> StepPlan:
         """This rank's rows for the step: the fresh batch's mini-batches, each with the groups its
         update draws. Replayed group j of the step takes row numbers (P + j) * n + sample."""
-        updates = mini_batch_updates(fresh, recipe)
+        updates = self.schedule.updates(fresh.row_B)
         parts, split_parts, slot = [fresh], [torch.zeros(fresh.num_rows, dtype=torch.long)], self.per_step
         offset = fresh.num_rows
         for u in range(len(updates)):

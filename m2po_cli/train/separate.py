@@ -31,9 +31,9 @@ from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
 from m2po_cli.rollout.types import Finished, Ticket
 from m2po_cli.rollout.worker import model_signature
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from m2po_cli.train.runlog import RunLog, forget_steps_from
-from m2po_cli.train.updates import rows_per_update
 
 TRAINED_LOG = "trained_prompts.jsonl"
 
@@ -98,14 +98,12 @@ class SeparateSource:
             servers,
             prompts,
             recipe.rollout,
-            recipe.prompts_per_update,
+            Schedule.of(recipe),
             recipe.staleness.max_staleness,
             self.learner.version,
             **carried,
             settle=lambda finished: settle(finished, self.grader, recipe),
             run_seed=recipe.run.seed,
-            epochs=recipe.reuse.epochs_per_batch,
-            prompts_per_step=recipe.rollout.prompts_per_step,
         )
         self._stack.callback(self.producer.stop)
 
@@ -126,7 +124,7 @@ class SeparateSource:
                 [g.rows for g in groups], torch.arange(len(groups) * self.recipe.rollout.n)
             )
             _record_trained(self.run_dir, step, self.learner.version, groups)
-        return distribute(batch, rows_per_update(self.recipe))
+        return distribute(batch, Schedule.of(self.recipe))
 
     def after_update(self, learner: Learner) -> None:
         self.transport.after_update(learner)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from m2po_cli.config import Recipe
 from m2po_cli.distributed import all_reduce, gather, transfer_device, world_group
@@ -19,59 +20,33 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import NUM_SPLITS
 from m2po_cli.record import Recorder, Sample
 from m2po_cli.train.packed import PackedRollouts
-from m2po_cli.train.reuse import StepPlan, bucket_label, mini_batch_updates
-
-
-def rows_per_update(recipe: Recipe) -> int:
-    return recipe.prompts_per_update * recipe.rollout.n
+from m2po_cli.train.reuse import StepPlan, bucket_label
 
 
 def train_on(
-    batch: PackedRollouts,
+    plan: StepPlan,
     learner: Learner,
     loss_fn,
     sync: Callable[[Learner], None] | None,
     recipe: Recipe,
     recorder: Recorder,
     step: int,
-    plan: StepPlan | None = None,
 ) -> dict[str, float]:
     """All optimizer updates of one step (this rank's rows); `sync(learner)` after each may send the
     weights out (colocated: after the last one, waking the engine up). A collective.
 
-    `plan` (`reuse`): the step's rows and each update's; None: `batch`'s mini-batches, once per pass.
-    A token's staleness is the number of updates between the version that sampled it and the update
-    that trains it (in separate mode the tokens of one response may differ); the staleness metrics
-    count every fresh token at each of its updates, the `reuse/` ones every replayed token."""
-    if plan is None:
-        plan = StepPlan(batch, mini_batch_updates(batch, recipe), None)
+    `plan` (`reuse`): the step's rows and the rows of each update. The loss of each update is the
+    mean over its trained tokens, on every rank (`tokens_U`)."""
     batch, num_updates = plan.batch, len(plan.updates)
     trained_B = batch.trained_len_B
     counts_U = torch.tensor([float(trained_B[k].sum()) for k in plan.updates], dtype=torch.float64)
     tokens_U = all_reduce(counts_U, dist.ReduceOp.SUM)  # the global token count of each update
     totals: dict[str, float] = {}
-    staleness_R = torch.zeros(batch.version_R.numel(), dtype=torch.long)
-    bound = recipe.staleness_bound
-    fresh_S = torch.zeros(bound + 1, dtype=torch.float64)  # fresh tokens trained, by staleness
-    replayed_A = torch.zeros(recipe.reuse.max_age + 1, dtype=torch.float64)  # replayed ones, by age
-    replayed_R = (
-        torch.zeros(batch.version_R.numel(), dtype=torch.bool)
-        if plan.split_B is None
-        else (plan.split_B > 0).repeat_interleave(batch.response_len_B)
-    )
+    ages = TokenAges(plan, recipe)
     for u, index_K in enumerate(plan.updates):
-        tokens = batch.trained_index(index_K)
-        staleness_R[tokens] = learner.version - batch.version_R[tokens].long()
-        trained_R = staleness_R[tokens]
-        old_R = replayed_R[tokens]
-        fresh_S += torch.bincount(trained_R[~old_R].clamp(0, bound), minlength=bound + 1)
-        replayed_A += torch.bincount(
-            trained_R[old_R].clamp(0, recipe.reuse.max_age), minlength=replayed_A.numel()
-        )
-        rows = batch.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
-        if plan.split_B is not None:
-            rows.split_B = plan.split_B[index_K]
-        sample = record_sample(recorder, step, batch, index_K, learner, staleness_R)
+        ages.count(batch.trained_index(index_K), learner.version)
+        rows = plan.to_batch(index_K, recipe.algorithm.behaviour_logprobs)
+        sample = record_sample(recorder, step, batch, index_K, learner, ages.staleness_R)
         t0 = time.perf_counter()
         m = learner.update(rows, loss_fn, int(tokens_U[u]))
         t1 = time.perf_counter()
@@ -84,10 +59,35 @@ def train_on(
             totals[k] = totals.get(k, 0.0) + v / num_updates
     totals["optim/version"] = learner.version
     recorder.write(step)
-    metrics = totals | staleness_metrics(fresh_S, recipe)
-    if plan.split_B is not None:
-        metrics = reuse_metrics(metrics, replayed_A)
-    return metrics
+    return ages.metrics(totals)
+
+
+class TokenAges:
+    """How stale each trained token is at the update that trains it: the number of updates between
+    the version that sampled it and that update (in separate mode the tokens of one response may
+    differ). The staleness metrics count every fresh token at each of its updates (up to the
+    recipe's bound), the `reuse/` ones every replayed token (by age, up to `reuse.max_age`), when
+    the plan replays rows."""
+
+    def __init__(self, plan: StepPlan, recipe: Recipe):
+        self.recipe, self.replays = recipe, plan.split_B is not None
+        self.version_R, self.replayed_R = plan.batch.version_R, plan.replayed_R()
+        self.staleness_R = torch.zeros(self.version_R.numel(), dtype=torch.long)  # at its last update
+        self.fresh_S = torch.zeros(recipe.staleness_bound + 1, dtype=torch.float64)
+        self.replayed_A = torch.zeros(recipe.reuse.max_age + 1, dtype=torch.float64)
+
+    def count(self, tokens: Tensor, version: int) -> None:
+        """The trained tokens at positions `tokens` of the `_R` tensors, trained at `version`."""
+        self.staleness_R[tokens] = version - self.version_R[tokens].long()
+        stale_R, old_R = self.staleness_R[tokens], self.replayed_R[tokens]
+        bound, max_age = self.recipe.staleness_bound, self.recipe.reuse.max_age
+        self.fresh_S += torch.bincount(stale_R[~old_R].clamp(0, bound), minlength=bound + 1)
+        self.replayed_A += torch.bincount(stale_R[old_R].clamp(0, max_age), minlength=max_age + 1)
+
+    def metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """The step's metrics with the staleness (and replay) ones. A collective."""
+        metrics = totals | staleness_metrics(self.fresh_S, self.recipe)
+        return reuse_metrics(metrics, self.replayed_A) if self.replays else metrics
 
 
 def staleness_metrics(hist_S: torch.Tensor, recipe: Recipe) -> dict[str, float]:

@@ -128,11 +128,13 @@ def test_a_server_that_stops_answering_stops_the_learner_within_the_deadline(fak
     from m2po_cli.config import DataConfig, RolloutConfig, SyntheticConfig
     from m2po_cli.data import PromptBatches, load_problems
     from m2po_cli.rollout.producer import RolloutProducer
+    from m2po_cli.schedule import Schedule
 
     url = fake(routes(**{GENERATE: (200, "hang")}))
     data = DataConfig(source="synthetic:arithmetic", synthetic=SyntheticConfig(num_problems=16))
     prompts = PromptBatches(load_problems(data), char_tokenizer, data, 2)
-    producer = RolloutProducer([EngineServer(url)], prompts, RolloutConfig(n=2, request_timeout_s=2), 2, 1, 0)
+    cfg = RolloutConfig(n=2, request_timeout_s=2)
+    producer = RolloutProducer([EngineServer(url)], prompts, cfg, Schedule(2, 2, 2), 1, 0)
     producer.start()
     t0 = time.monotonic()
     try:

@@ -14,6 +14,7 @@ import torch
 
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.packed import owners
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_engine_worker.py"
@@ -66,7 +67,7 @@ def test_each_rank_generates_its_share_and_follows_every_push(tmp_path):
     }
     row_N = torch.tensor(sorted(held))
     assert row_N.tolist() == list(range(4 * n))
-    dealt = owners(row_N, torch.tensor([held[i][1] for i in row_N.tolist()]), 2 * n, 2)
+    dealt = owners(row_N, torch.tensor([held[i][1] for i in row_N.tolist()]), Schedule(4, 2, n), 2)
     assert dealt.tolist() == [held[i][0] for i in row_N.tolist()]
     for r, rec in enumerate(ranks):
         rows = rec["rollout"]

@@ -19,6 +19,7 @@ from m2po_cli.data import PromptBatches, load_problems
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineError, EngineServer
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 
 PER_UPDATE = 2  # prompts per optimizer update (B)
 
@@ -26,7 +27,8 @@ PER_UPDATE = 2  # prompts per optimizer update (B)
 def producer(char_tokenizer, max_staleness: int, version: int = 0, **carried) -> RolloutProducer:
     data = DataConfig(source="synthetic:arithmetic", synthetic=SyntheticConfig(num_problems=64))
     prompts = PromptBatches(load_problems(data), char_tokenizer, data, PER_UPDATE)
-    return RolloutProducer([], prompts, RolloutConfig(n=2), PER_UPDATE, max_staleness, version, **carried)
+    schedule = Schedule(PER_UPDATE, PER_UPDATE, 2)
+    return RolloutProducer([], prompts, RolloutConfig(n=2), schedule, max_staleness, version, **carried)
 
 
 def answer(n: int = 2, versions: list[int] | None = None) -> list[Completion]:
@@ -109,7 +111,7 @@ def test_requests_in_flight_are_capped_per_server_and_balanced(char_tokenizer):
         s.max_num_seqs = 8
     data = DataConfig(source="synthetic:arithmetic", synthetic=SyntheticConfig(num_problems=64))
     prompts = PromptBatches(load_problems(data), char_tokenizer, data, PER_UPDATE)
-    p = RolloutProducer(servers, prompts, RolloutConfig(n=2), PER_UPDATE, 100, 0)
+    p = RolloutProducer(servers, prompts, RolloutConfig(n=2), Schedule(PER_UPDATE, PER_UPDATE, 2), 100, 0)
     requests = admit_all(p)
     assert len(requests) == 16
     assert Counter(url for *_, url in requests) == {servers[0].url: 8, servers[1].url: 8}

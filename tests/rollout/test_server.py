@@ -28,7 +28,9 @@ from m2po_cli.rollout.server import (
 )
 from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.packed import pack_groups
+from m2po_cli.train.reuse import plan_passes
 from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
 from tests.probes import server_prompt_logprobs
@@ -121,7 +123,15 @@ def test_shm_sync_makes_server_match_learner(served, tokenizer, tmp_path):
         assert logprob_gap(engine, learner, sequences) < 1e-4
         for _ in range(2):
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(batch, learner, build_loss(recipe.loss), None, recipe, no_record(tmp_path, learner), 0)
+            train_on(
+                plan_passes(batch, Schedule.of(recipe)),
+                learner,
+                build_loss(recipe.loss),
+                None,
+                recipe,
+                no_record(tmp_path, learner),
+                0,
+            )
             stale = logprob_gap(engine, learner, sequences)
             assert stale > 1e-3, f"a skipped sync moved the probe by only {stale:.2e}"
             transport.after_update(learner)
@@ -267,7 +277,8 @@ def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp
     max_staleness, per_update = 2, 4
     problems = synthetic_arithmetic(SyntheticConfig(max_operand=4, num_problems=64), seed=0)
     prompts = PromptBatches(problems, tokenizer, recipe.data, per_update)
-    producer = RolloutProducer([server], prompts, recipe.rollout, per_update, max_staleness, learner.version)
+    schedule = Schedule(per_update, per_update, recipe.rollout.n)
+    producer = RolloutProducer([server], prompts, recipe.rollout, schedule, max_staleness, learner.version)
     record, versions = no_record(tmp_path, learner), Versions(learner)
     transport = ShmWeightTransport(0, 1, torch.float32, producer.swap, tag="test-producer")
 
@@ -298,7 +309,15 @@ def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp
             assert int(staleness_R.min()) >= 0 and int(staleness_R.max()) <= max_staleness
             gap = behaviour_gap(versions, batch)
             assert gap < 1e-4, f"tokens differ from the weights of the version they record by {gap:.2e}"
-            train_on(batch, learner, build_loss(recipe.loss), sync, recipe, record, 0)
+            train_on(
+                plan_passes(batch, Schedule.of(recipe)),
+                learner,
+                build_loss(recipe.loss),
+                sync,
+                recipe,
+                record,
+                0,
+            )
         metrics = producer.take_metrics()
         assert metrics["rollout/regenerated"] == 0
         assert 0 <= metrics["perf/engine_idle_frac"] <= 1

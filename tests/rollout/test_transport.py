@@ -64,6 +64,8 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
     from m2po_cli.loss import build_loss
     from m2po_cli.rollout.nccl import NcclWeightTransport
     from m2po_cli.rollout.server import EngineServer, swap_weights
+    from m2po_cli.schedule import Schedule
+    from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.updates import train_on
     from tests.conftest import no_record
     from tests.rollout.test_server import HTTPEngine, probe
@@ -94,7 +96,15 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
             transport.push(learner)
             assert logprob_gap(engine, learner, sequences) < 1e-4
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(batch, learner, build_loss(recipe.loss), None, recipe, no_record(tmp_path, learner), 0)
+            train_on(
+                plan_passes(batch, Schedule.of(recipe)),
+                learner,
+                build_loss(recipe.loss),
+                None,
+                recipe,
+                no_record(tmp_path, learner),
+                0,
+            )
             assert logprob_gap(engine, learner, sequences) > 1e-3  # no sync yet
             transport.after_update(learner)
             assert logprob_gap(engine, learner, sequences) < 1e-4

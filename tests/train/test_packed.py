@@ -18,6 +18,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, engine_share, mismatch_sample
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
@@ -125,7 +126,8 @@ def test_owners_balance_each_update_by_tokens(per_update, world):
     row_B = torch.arange(3 * per_update)
     lengths_B = (torch.distributions.LogNormal(5.0, 1.0).sample((row_B.numel(),)).long() + 1).clamp(max=4096)
     lengths_B[: per_update // 2] = 100  # ties, broken by row number
-    owner_B = owners(row_B, lengths_B, per_update, world)
+    schedule = Schedule(3 * per_update, per_update, n=1)  # rows numbered as prompts of one sample
+    owner_B = owners(row_B, lengths_B, schedule, world)
     assert owner_B.min() >= 0 and owner_B.max() < world
     update_B = row_B // per_update
     for u in range(3):
@@ -134,7 +136,7 @@ def test_owners_balance_each_update_by_tokens(per_update, world):
             assert int(tokens_W.max() - tokens_W.min()) <= int(lengths_B[update_B == u].max()), (u, tokens_W)
         assert int(tokens_W.sum()) == int(lengths_B[update_B == u].sum())
     shuffled = torch.randperm(row_B.numel())
-    assert torch.equal(owners(row_B[shuffled], lengths_B[shuffled], per_update, world), owner_B[shuffled])
+    assert torch.equal(owners(row_B[shuffled], lengths_B[shuffled], schedule, world), owner_B[shuffled])
 
 
 def test_owners_beat_contiguous_parts_on_a_long_tailed_batch():
@@ -147,7 +149,8 @@ def test_owners_beat_contiguous_parts_on_a_long_tailed_batch():
     lengths_B = lengths_B.sort(descending=True).values  # the worst order for contiguous parts
     row_B, update_B = torch.arange(per_update), torch.zeros(per_update, dtype=torch.long)
     mean = float(lengths_B.sum()) / world
-    balanced = rank_tokens(owners(row_B, lengths_B, per_update, world), lengths_B, update_B, 0, world)
+    dealt = owners(row_B, lengths_B, Schedule(per_update, per_update, n=1), world)
+    balanced = rank_tokens(dealt, lengths_B, update_B, 0, world)
     contiguous = rank_tokens(contiguous_owners(row_B, per_update, world), lengths_B, update_B, 0, world)
     assert float(contiguous.max()) / mean > 1.5
     assert float(balanced.max()) / mean < 1.01
@@ -172,7 +175,7 @@ def test_distribute_on_one_rank_keeps_everything():
     assert distribute(pack, torch.zeros(pack.num_rows, dtype=torch.long)) is pack
 
 
-ROWS_PER_UPDATE = 6
+SCHEDULE = Schedule(6, 2, n=3)  # the spanned pack's 6 prompts of 3 samples, 2 prompts an update
 DIST_WORKER = Path(__file__).resolve().parents[1] / "workers" / "dist_packed_worker.py"
 
 
@@ -221,7 +224,7 @@ def test_distribute_on_two_ranks_gives_each_its_rows_bit_for_bit(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     pack = spanned_pack()
-    owner_B = owners(pack.row_B, pack.lengths_B, ROWS_PER_UPDATE, 2)
+    owner_B = owners(pack.row_B, pack.lengths_B, SCHEDULE, 2)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         version, meta = got.pop("version"), got.pop("meta")

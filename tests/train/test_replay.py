@@ -63,8 +63,7 @@ def test_a_plan_trains_fresh_rows_then_whole_replayed_groups_numbered_after_them
     buffer = buffer_with(tmp_path, [0, 1], buffer=2, replay=1.0, max_age=100)
     fresh, *_ = random_pack(99, num_prompts=P, n=N)
     fresh.version_B[:] = 2
-    recipe = recipe_for(tmp_path, f"rollout.prompts_per_step={P}", f"rollout.n={N}")
-    plan = buffer.plan(fresh, 7, 2, recipe)
+    plan = buffer.plan(fresh, 7, 2)
     batch = plan.batch
     assert torch.equal(batch.take(torch.arange(fresh.num_rows)).tokens_N, fresh.tokens_N)
     assert plan.split_B[: fresh.num_rows].eq(0).all() and plan.split_B[fresh.num_rows :].gt(0).all()
@@ -88,12 +87,14 @@ def test_age_classes():
 
 @pytest.mark.parametrize("mode", ["epochs", "off"])
 def test_without_replay_an_update_trains_its_mini_batch_once_per_pass(tmp_path, mode):
-    from m2po_cli.train.reuse import mini_batch_updates
+    from m2po_cli.train.reuse import Passes, build_reuse
 
     sets = ["rollout.prompts_per_step=4", "rollout.n=3", "train.mini_batch_prompts=2"]
     recipe = recipe_for(tmp_path, *sets, f'reuse={{mode="{mode}", epochs=3}}', "staleness.s=0")
     fresh, *_ = random_pack(1, num_prompts=4, n=3)
-    updates = mini_batch_updates(fresh, recipe)
+    reuse = build_reuse(recipe)
+    assert isinstance(reuse, Passes)
+    updates = reuse.plan(fresh, 5, 10).updates
     passes = 3 if mode == "epochs" else 1
     assert recipe.updates_per_step == 2 * passes
     assert [u.tolist() for u in updates] == [list(range(6)), list(range(6, 12))] * passes

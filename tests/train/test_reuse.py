@@ -14,8 +14,9 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import VLLMEngine
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.loop import train
-from m2po_cli.train.reuse import ReplayBuffer
+from m2po_cli.train.reuse import ReplayBuffer, plan_passes
 from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
 from tests.rollout.test_weight_sync import sampled_batch
@@ -57,14 +58,16 @@ def test_replayed_rows_carry_their_behaviour_logprobs_and_versions(tmp_path):
         first = sampled_batch(engine, engine.tokenizer, recipe, learner.version)
         rows = first.to_batch(torch.arange(first.num_rows))
         at_version_0 = learner.score(rows)[0][rows.mask_BL.bool()]  # the reference: rescored at version 0
-        assert buffer.plan(first, 0, 0, recipe).split_B.sum() == 0, "an empty buffer replays nothing"
-        train_on(first, learner, loss_fn, None, recipe, recorder, 0)
+        assert buffer.plan(first, 0, 0).split_B.sum() == 0, "an empty buffer replays nothing"
+        train_on(plan_passes(first, Schedule.of(recipe)), learner, loss_fn, None, recipe, recorder, 0)
         buffer.push(first, 0)
         engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
         second = sampled_batch(engine, engine.tokenizer, recipe, learner.version)
-        train_on(second, learner, loss_fn, None, recipe, recorder, 1)  # the policy moves on
+        train_on(
+            plan_passes(second, Schedule.of(recipe)), learner, loss_fn, None, recipe, recorder, 1
+        )  # the policy moves on
 
-        plan = buffer.plan(second, 2, learner.version, recipe)
+        plan = buffer.plan(second, 2, learner.version)
         replayed = (plan.split_B > 0).nonzero().squeeze(1)
         assert replayed.numel() == first.num_rows, "one update replays as many groups as it trains fresh"
         assert plan.updates[0].tolist() == list(range(plan.batch.num_rows))

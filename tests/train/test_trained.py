@@ -79,7 +79,7 @@ def updated(tmp_path_factory):
     split_B = (torch.arange(pack.num_rows) >= 8).long()  # class 1: replayed at age 1
     recorder = Recorder(recipe.run_dir, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
     plan = StepPlan(pack, [torch.arange(pack.num_rows)], split_B)
-    metrics = train_on(pack, learner, build_loss(recipe.loss), None, recipe, recorder, 0, plan)
+    metrics = train_on(plan, learner, build_loss(recipe.loss), None, recipe, recorder, 0)
     return recipe, pack, current_R, metrics
 
 

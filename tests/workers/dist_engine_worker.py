@@ -31,9 +31,11 @@ from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
-from m2po_cli.train.updates import rows_per_update, train_on
+from m2po_cli.train.reuse import plan_passes
+from m2po_cli.train.updates import train_on
 from tests.probes import require_version
 from tests.rollout.test_weight_sync import logprob_gap, no_record
 
@@ -95,7 +97,7 @@ def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[Packe
         pack = pack_groups(
             learner.version, share[0] * n, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
         )
-    batch = distribute(pack, rows_per_update(recipe))
+    batch = distribute(pack, Schedule.of(recipe))
     return batch, [(i, [c.token_ids for c in g]) for i, g in zip(share, groups, strict=True)]
 
 
@@ -138,7 +140,13 @@ def main(out: Path, tp: int) -> None:
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)
             record["generated"].append(mine)
             train_on(
-                batch, learner, build_loss(recipe.loss), None, recipe, no_record(recipe, learner), 0
+                plan_passes(batch, Schedule.of(recipe)),
+                learner,
+                build_loss(recipe.loss),
+                None,
+                recipe,
+                no_record(recipe, learner),
+                0,
             )  # no engine: the push is skipped
             record["stale"].append(logprob_gap(engine, learner, probe))
             try:

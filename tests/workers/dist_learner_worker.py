@@ -20,9 +20,11 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.types import Completion
+from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import score_at_behaviour_version
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
-from m2po_cli.train.updates import rows_per_update, train_on
+from m2po_cli.train.reuse import plan_passes
+from m2po_cli.train.updates import train_on
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
 OVERRIDES = [
@@ -87,7 +89,7 @@ def main(out: Path, extra: list[str]) -> None:
         batch = fixed_batch(step, 4, recipe.rollout.n, vocab)
         if learner.rank != 0:
             batch = PackedRollouts.empty(batch.version)
-        batch = distribute(batch, rows_per_update(recipe))
+        batch = distribute(batch, Schedule.of(recipe))
         score_at_behaviour_version(batch, learner, everything=True, group_size=recipe.rollout.n)
         # Every row scored on every rank by the same weights: what the rank's own rows' scores must be.
         whole = fixed_batch(step, 4, recipe.rollout.n, vocab)
@@ -111,7 +113,9 @@ def main(out: Path, extra: list[str]) -> None:
             ]
         )
         batch.learner_R = batch.learner_R + noise_R
-        metrics.append(train_on(batch, learner, loss_fn, None, recipe, recorder, step))
+        metrics.append(
+            train_on(plan_passes(batch, Schedule.of(recipe)), learner, loss_fn, None, recipe, recorder, step)
+        )
     # Every rank gathers the full weights itself, so ranks can be compared with each other.
     full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
     state = learner.arch.adapter.to_hf(full)

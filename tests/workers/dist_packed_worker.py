@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from m2po_cli.train.packed import distribute
-from tests.train.test_packed import ROWS_PER_UPDATE, spanned_pack
+from tests.train.test_packed import SCHEDULE, spanned_pack
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     pack = spanned_pack()
     mine = pack.take((pack.row_B % 2 == rank).nonzero().squeeze(1))
     mine.meta = {"rank": float(rank)}
-    received = distribute(mine, ROWS_PER_UPDATE)
+    received = distribute(mine, SCHEDULE)
     torch.save(
         {"version": received.version, "meta": received.meta, **received.tensors()},
         Path(sys.argv[1]) / f"rank{rank}.pt",
