@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from m2po_cli.config import InspectConfig, load_recipe
+from m2po_cli.config.tables import to_toml
 from m2po_cli.record import Recorder, Sample, record_files
-from m2po_cli.tomlconf import to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, UPDATES, TOKENS, RESPONSE = 1200, 50, 4, 4096, 1024

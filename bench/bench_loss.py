@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from m2po_cli.config.loss import GRPOLoss, M2POLoss
 from m2po_cli.loss import build_loss
-from m2po_cli.loss_config import GRPOLoss, M2POLoss
 
 MAX_RATIO = 1.5
 

@@ -253,9 +253,9 @@ def log_ratio_noise(shape, scale: float, seed: int) -> torch.Tensor:
 
 def passes_and_timing(report, args) -> None:
     from m2po_cli.config import load_recipe
+    from m2po_cli.config.loss import GRPOLoss, M2POLoss
     from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
-    from m2po_cli.loss_config import GRPOLoss, M2POLoss
     from m2po_cli.models import resolve_model
     from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
@@ -390,9 +390,9 @@ def correction_at_paper_size(report, noise: float) -> None:
     with a changed token, up to its last one). So m2po / grpo = 4/3 before and 1 + f after, taken
     at the slowest rank (collectives wait for it); `auto` falls back to `score_first` when f > 1/3.
     """
+    from m2po_cli.config.loss import M2POLoss
     from m2po_cli.learner.mask_correction import correction_rows, provisional_keep
     from m2po_cli.loss import build_loss
-    from m2po_cli.loss_config import M2POLoss
 
     p, loss_fn = PAPER, build_loss(M2POLoss())
     rows = p["prompts"] * p["n"] // p["updates"]

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
+from m2po_cli.config.loss import M2POCapLoss, M2POLoss
 from m2po_cli.loss import build_loss
-from m2po_cli.loss_config import M2POCapLoss, M2POLoss
 
 GROUPS, GROUP_SIZE, LENGTH, MICRO_BATCH = 2, 8, 125, 4
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from m2po_cli.config import ConfigError, load_recipe
+from m2po_cli.config.tables import to_toml
 from m2po_cli.errors import UserError
-from m2po_cli.tomlconf import to_toml
 from m2po_cli.torchrun import launch
 
 VERBOSE = click.option(

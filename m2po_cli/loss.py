@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from m2po_cli.config.loss import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
 from m2po_cli.distributed import gather
-from m2po_cli.loss_config import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
 from m2po_cli.second_moment import (
     effective_cap,
     m2po_cut,

@@ -36,14 +36,14 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, WarmStart, build_portable, spec_dict
-from m2po_cli.config import model_source
 from m2po_cli.errors import UserError
 
 # Bump when a builder's code changes what it writes, so caches built by older code are not reused.
@@ -57,6 +57,30 @@ BUILTINS: dict[str, TinyQwen3 | SmolLM2Gguf] = {
     ),
     "builtin:smollm2-135m-instruct": SmolLM2Gguf(),
 }
+BUILTIN_NAMES = tuple(BUILTINS)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_source(path: str) -> Literal["builtin", "local", "hub"]:
+    """What a model path names: the one rule for recipes, `m2po eval` and `models.resolve_model`.
+
+    A path that exists, starts like a path (`/`, `.`, `~`) or starts with an existing folder (`runs/x`)
+    is local, never a hub id. Raises ValueError with a one-line reason.
+    """
+    if path.startswith("builtin:"):
+        if path not in BUILTIN_NAMES:
+            raise ValueError(f"unknown builtin {path!r}; choose one of {', '.join(BUILTIN_NAMES)}")
+        return "builtin"
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return "local"
+    if path.startswith(("/", ".", "~")) or local.exists():
+        raise ValueError(f"model directory not found: {path}")
+    if HUB_ID.match(path) and Path(local.parts[0]).is_dir():
+        raise ValueError(f"model directory not found: {path} ({local.parts[0]}/ is a local folder)")
+    if not HUB_ID.match(path):
+        raise ValueError(f"{path!r} is neither an existing directory, a hub id (org/name) nor a builtin")
+    return "hub"
 
 
 def cache_root() -> Path:

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from m2po_cli.cli import main
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, Recipe, Table, load_recipe
-from m2po_cli.recipe_docs import render
-from m2po_cli.tomlconf import ConfigError, to_toml
+from m2po_cli.config.docs import render
+from m2po_cli.config.tables import ConfigError, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "recipes" / "quickstart.toml"
@@ -583,6 +583,6 @@ def test_every_key_has_a_description():
 
 def test_recipe_docs_are_current():
     assert (ROOT / "docs/recipes.md").read_text() == render(), (
-        "docs/recipes.md is out of date with m2po_cli/config.py; regenerate it with "
-        "`python -m m2po_cli.recipe_docs > docs/recipes.md`"
+        "docs/recipes.md is out of date with m2po_cli/config/; regenerate it with "
+        "`python -m m2po_cli.config.docs > docs/recipes.md`"
     )

@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from m2po_cli import builtin_models, models
 from m2po_cli.builtin_models import BOXED_TOKEN, EOS_TOKEN, PAD_TOKEN, char_tokenizer
-from m2po_cli.config import BUILTIN_MODELS
 from m2po_cli.models import resolve_model
 
 TINY = ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"]
@@ -313,8 +312,19 @@ def test_smollm2_recipe_prompts_are_short_and_fit():
 
 
 def test_the_recipe_schema_knows_every_builtin_and_no_other():
-    """`model.path` is checked against `config.BUILTIN_MODELS` without importing the builders."""
-    assert sorted(BUILTIN_MODELS) == sorted(models.BUILTINS)
+    """`model.path` is checked against `models.BUILTINS`, which names the builtins without importing
+    the builders' torch or transformers."""
+    script = (
+        "import sys; from m2po_cli.config import ModelConfig\n"
+        "for name in ('builtin:tiny-qwen3', 'builtin:smollm2-135m-instruct'): ModelConfig(path=name)\n"
+        "try: ModelConfig(path='builtin:nope')\n"
+        "except ValueError as e: print(str(e).splitlines()[1].strip())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    first, loaded = done.stdout.splitlines()[-2:]
+    assert loaded == "[]"
+    assert all(name in first for name in models.BUILTINS) and "unknown builtin 'builtin:nope'" in first
 
 
 def test_the_long_tail_warm_start_teaches_a_geometric_number_of_worked_lines():

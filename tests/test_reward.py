@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from m2po_cli.config import load_recipe
+from m2po_cli.config.tables import ConfigError
 from m2po_cli.data import Problem, load_problems
 from m2po_cli.grader import Grader, RewardError, load_reward
-from m2po_cli.tomlconf import ConfigError
 from tests.conftest import QUICKSTART, recipe_for
 
 ROOT = Path(__file__).resolve().parents[1]

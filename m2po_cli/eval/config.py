@@ -6,7 +6,7 @@ Two kinds of file, both parsed into frozen models that reject unknown keys (like
   its field names, its samples per problem and, where the paper used one, its own prompt template.
 - an optional eval TOML (`--protocol FILE`) with `[protocol]`, `[engine]` and `[grader]` tables.
   The defaults are the paper's protocol (M2PO, arXiv 2510.01161); precedence is defaults < file <
-  `--set key.path=value`, through the loader recipes use (`tomlconf`).
+  `--set key.path=value`, through the loader recipes use (`config.tables`).
 This module imports neither torch nor vLLM.
 """
 
@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import model_validator
 
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, EngineTable, check_template
-from m2po_cli.tomlconf import ConfigError, Table, field, load
+from m2po_cli.config.tables import ConfigError, Table, field, load
 
 EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
 BENCHMARKS_TOML = EVALS_DIR / "benchmarks.toml"

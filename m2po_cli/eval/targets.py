@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Literal
 
 from m2po_cli import checkpoint
-from m2po_cli.config import model_source
 from m2po_cli.errors import UserError
-from m2po_cli.models import ModelError, check_model_dir
+from m2po_cli.models import ModelError, check_model_dir, model_source
 
 
 class TargetError(UserError):

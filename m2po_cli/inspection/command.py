@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
 
-from m2po_cli.loss_config import LossConfig
+from m2po_cli.config.loss import LossConfig
 from m2po_cli.record import RecordError, load_records
 
 

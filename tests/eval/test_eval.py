@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from m2po_cli import checkpoint
 from m2po_cli.cli import main
 from m2po_cli.config import PAPER_PROMPT_TEMPLATE, ConfigError
+from m2po_cli.config.tables import to_toml
 from m2po_cli.eval.config import EVALS_DIR, load_benchmarks, load_eval_config
 from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, load_problems
 from m2po_cli.eval.evaluate import grade_and_append, plan_target, read_records
@@ -25,7 +26,6 @@ from m2po_cli.eval.report import pass_at_k, pass_ks
 from m2po_cli.eval.targets import Target, TargetError, export_step, resolve_targets
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
-from m2po_cli.tomlconf import to_toml
 from tests.conftest import recipe_for
 from tests.tolerances import forward_atol
 

@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from m2po_cli.config import load_recipe
+from m2po_cli.config.tables import to_toml
 from m2po_cli.inspection.compare import compare, curve_figures, figures, read_runs
 from m2po_cli.inspection.report import print_whole
-from m2po_cli.tomlconf import to_toml
 from tests.conftest import QUICKSTART
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from m2po_cli.config import InspectConfig
+from m2po_cli.config.loss import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTRLoss
 from m2po_cli.inspection.ratios import WHAT_IF, analyse
 from m2po_cli.loss import build_loss
-from m2po_cli.loss_config import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTRLoss
 from m2po_cli.record import Recorder, Sample, load_records, step_path
 from m2po_cli.train.runlog import RunLog
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from m2po_cli.config import RolloutConfig, load_recipe
+from m2po_cli.config.tables import ConfigError
 from m2po_cli.rollout.engine import VLLMEngine
-from m2po_cli.tomlconf import ConfigError
 from tests.conftest import QUICKSTART
 
 

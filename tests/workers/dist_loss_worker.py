@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from m2po_cli import second_moment
+from m2po_cli.config.loss import M2POCapLoss, M2POLoss
 from m2po_cli.loss import build_loss
-from m2po_cli.loss_config import M2POCapLoss, M2POLoss
 
 ROWS, COLS = 13, 40
 RANK_ROWS = [torch.arange(0, 4), torch.arange(4, ROWS)]  # uneven on purpose

@@ -1,9 +1,9 @@
-"""The recipe reference (`docs/recipes.md`), rendered from the schema in `config.py`.
+"""The recipe reference (`docs/recipes.md`), rendered from the schema in `m2po_cli/config/`.
 
 One section per table, one row per key with its type, default, description and range; the `[loss]`
 table gets one sub-section per loss type. Regenerate with
 
-    python -m m2po_cli.recipe_docs > docs/recipes.md
+    python -m m2po_cli.config.docs > docs/recipes.md
 
 (a test fails when the file and the schema disagree).
 """
@@ -18,10 +18,10 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from m2po_cli.config import Recipe, Table
-from m2po_cli.tomlconf import toml_value
+from m2po_cli.config.tables import toml_value
 
 INTRO = """\
-<!-- Generated from m2po_cli/config.py by `python -m m2po_cli.recipe_docs > docs/recipes.md`; do not edit. -->
+<!-- Generated from m2po_cli/config/ by `python -m m2po_cli.config.docs > docs/recipes.md`; do not edit. -->
 
 # Recipe reference
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field
 
-from m2po_cli.tomlconf import Table, field
+from m2po_cli.config.tables import Table, field
 
 
 class AlgorithmConfig(Table):

@@ -1,0 +1,106 @@
+"""The recipe's `[train]`, `[parallel]` and `[optim]` tables: the learner's batching, its ranks'
+layout and its optimizer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from m2po_cli.config.tables import Table, field
+
+
+class TrainConfig(Table):
+    mini_batch_prompts: int = field(
+        0, "Prompts per optimizer update; 0 means the whole rollout batch (one update per step).", ge=0
+    )
+    micro_batch_sequences: int = field(64, "Sequences per forward/backward (gradient accumulation).", ge=1)
+    micro_batch_tokens: int = field(
+        0,
+        "Token budget per forward/backward: rows sorted by length, a micro-batch padded to its longest "
+        "row holds at most this many tokens (a longer row goes alone); 0: no budget.",
+        ge=0,
+    )
+    global_pass: Literal["auto", "score_first", "correct_after"] = field(
+        "auto",
+        "How M2PO gets its mask over the whole batch: score_first, a no-grad pass before the training "
+        "forwards; correct_after, from the training forwards under the previous update's threshold, "
+        "then a correction over the tokens that mask got wrong; auto, from the training forward itself "
+        "when every rank's rows are one micro-batch (no other pass), else the cheaper of the two by the "
+        "last correction's size. All give the same update.",
+    )
+    share_prompts: Literal["auto", "on", "off"] = field(
+        "auto",
+        "Compute a group's prompt once for all its responses (one packed sequence; each response "
+        "sees the prompt and itself): on, off, or auto, where that saves at least a quarter of the "
+        "tokens and no packed group exceeds 8192 tokens (its attention mask).",
+    )
+    compile: bool = field(False, "torch.compile the model.")
+    activation_checkpointing: Literal["none", "full"] = field("none", "Activation checkpointing mode.")
+
+
+class ParallelConfig(Table):
+    """How the learner's ranks hold the model. FSDP2 shards it over `dp_shard` consecutive ranks;
+    `dp_replicate` such groups each hold a whole copy (HSDP): parameters are gathered within a group,
+    and only the gradients cross between groups, once per optimizer update. Shard within a node and
+    replicate across nodes, and the per-layer gathers never leave a node."""
+
+    dp_replicate: int = field(
+        1, "Replicas of the sharded model (HSDP); 1 shards over every rank (FSDP).", ge=1
+    )
+    dp_shard: int = field(
+        -1,
+        "Ranks each replica shards the model over; -1: every rank of a replica (WORLD_SIZE / dp_replicate).",
+        ge=-1,
+    )
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> ParallelConfig:
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard: must be >= 1, or -1 for every rank of a replica (got 0)")
+        return self
+
+    def degrees(self, world: int) -> tuple[int, int]:
+        """(replicate, shard) for a launch of `world` processes; `launch_problem` must be None."""
+        return self.dp_replicate, world // self.dp_replicate if self.dp_shard == -1 else self.dp_shard
+
+    def launch_problem(self, world: int, local_world: int | None = None) -> str | None:
+        """What keeps a launch of `world` processes, `local_world` on each node (None: all on one), from
+        taking these degrees, or None. A shard group is `dp_shard` consecutive ranks, and torchrun
+        numbers ranks node by node, so a group must hold whole nodes or a node whole groups."""
+        replicate, shard = self.dp_replicate, self.dp_shard
+        if shard == -1:
+            if world % replicate:
+                return (
+                    f"parallel.dp_replicate: {replicate} does not divide the {world} process(es) of this "
+                    "launch (WORLD_SIZE)"
+                )
+            shard = world // replicate
+        elif replicate * shard != world:
+            return (
+                f"parallel: dp_replicate {replicate} x dp_shard {shard} = {replicate * shard} ranks, but this "
+                f"launch has {world} process(es) (WORLD_SIZE)"
+            )
+        local = world if local_world is None else local_world
+        if shard % local and local % shard:
+            return (
+                f"parallel.dp_shard: a shard group of {shard} ranks would split the {local} process(es) of a "
+                f"node unevenly; use a divisor or a multiple of {local} (LOCAL_WORLD_SIZE)"
+            )
+        return None
+
+
+class OptimConfig(Table):
+    lr: float = field(1e-6, "AdamW learning rate.", gt=0)
+    weight_decay: float = field(0.01, "AdamW weight decay.", ge=0)
+    betas: tuple[float, float] = field((0.9, 0.999), "AdamW betas.")
+    eps: float = field(1e-8, "AdamW epsilon.", gt=0)
+    grad_clip: float = field(1.0, "Clip the global gradient norm to this; 0 disables clipping.", ge=0)
+    warmup_updates: int = field(0, "Linear warm-up length, in optimizer updates.", ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = field("constant", "LR schedule after warm-up.")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
+        return self
