@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m2po_cli.run_dir import CHECKPOINTS
+
 STEP_PREFIX = "step-"
 DONE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
@@ -37,12 +39,12 @@ FORMAT = 2
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"{STEP_PREFIX}{step:06d}"
+    return run_dir / CHECKPOINTS / f"{STEP_PREFIX}{step:06d}"
 
 
 def complete_steps(run_dir: Path) -> list[Path]:
     """The run's step folders that pass `check_files`, oldest first."""
-    root = run_dir / "checkpoints"
+    root = run_dir / CHECKPOINTS
     steps = sorted(root.glob(f"{STEP_PREFIX}*")) if root.is_dir() else []
     return [p for p in steps if check_files(p) is None]
 
@@ -103,7 +105,7 @@ def choose(run_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
 
     answer: list[Any] = [None]
     if dist.get_rank() == 0:
-        root = run_dir / "checkpoints"
+        root = run_dir / CHECKPOINTS
         skipped = []
         for path in sorted(root.glob(f"{STEP_PREFIX}*"), reverse=True) if root.is_dir() else []:
             problem = verify(path)

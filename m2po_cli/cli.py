@@ -189,9 +189,9 @@ def idle_threads_sleep() -> None:
 
 def _route_third_party(folder: Path, verbose: bool) -> None:
     """Third-party logs and warnings to `folder`/third-party.log (rank 0 says so), before torch loads."""
-    from m2po_cli import console
+    from m2po_cli import console, run_dir
 
-    log_path = folder / console.LOG_NAME
+    log_path = folder / run_dir.THIRD_PARTY
     console.route_third_party(log_path, verbose)
     if launch().rank == 0:
         console.announce(log_path)
@@ -238,10 +238,10 @@ def compare(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: s
 
     Reads each RUN_DIR's metrics.jsonl and config.toml (never starts vLLM or builds a model).
     """
-    from m2po_cli.inspection.compare import command
+    from m2po_cli.inspection.command import compare_runs
 
     try:
-        command(run_dirs, as_json, plot_dir, x)
+        compare_runs(run_dirs, as_json, plot_dir, x)
     except UserError as e:
         _fail(str(e))
 

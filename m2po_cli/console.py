@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-LOG_NAME = "third-party.log"
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

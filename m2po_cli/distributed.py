@@ -94,3 +94,18 @@ def all_reduce_group(x: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGrou
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def add_into(totals: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+    """Add each of `values` (detached, float32, on the host) into `totals`, by key."""
+    for k, v in values.items():
+        totals[k] = totals.get(k, 0) + v.detach().float().cpu()
+
+
+def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each value summed over every rank (float64), in one all-reduce; every rank passes the same keys."""
+    if not values:
+        return values
+    keys = sorted(values)
+    flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+    return dict(zip(keys, all_reduce(flat, dist.ReduceOp.SUM), strict=True))

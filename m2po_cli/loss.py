@@ -19,7 +19,6 @@ al., arXiv 2507.18071; dual clip, Ye et al., arXiv 1912.09729. docs/losses.md co
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.config.loss import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
-from m2po_cli.distributed import gather
+from m2po_cli.loss_metrics import Metrics, token_metrics
 from m2po_cli.second_moment import (
     effective_cap,
     m2po_cut,
@@ -37,10 +36,6 @@ from m2po_cli.second_moment import (
     tied_leaving,
     trust_region_m2,
 )
-
-Metrics = dict[str, Tensor]
-NUM_SPLITS = 9  # token classes of `split_BT`: fresh, then replayed by age 1, 2-3, 4-7, ..., 128 and more
-QUANTILES = {"p01": 0.01, "p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 
 class MissingBehaviourLogprobs(ValueError):
@@ -55,13 +50,16 @@ class MissingBehaviourLogprobs(ValueError):
         )
 
 
+THRESHOLD = "m2po/threshold"  # M2PO's mask threshold, a metric of `prepare`
+
+
 class PolicyLoss(Protocol):
     needs_global_pass: bool
     """True: `prepare` must see the log-ratios of the whole optimizer batch before any backward."""
     keep_mask_aux: bool
     """True: `prepare`'s result is a keep mask, and a kept token's gradient is that of r A / N
     whatever else is kept; so the backward may run under another mask and be corrected afterwards,
-    token by token (`Learner.update`)."""
+    token by token (`Learner.update`), starting from the mask's threshold (`mask_threshold`)."""
 
     def prepare(
         self,
@@ -131,70 +129,6 @@ def _denominator(num_tokens: int | Tensor) -> float | Tensor:
     return num_tokens.clamp(min=1) if isinstance(num_tokens, Tensor) else float(max(num_tokens, 1))
 
 
-@torch.no_grad()
-def _token_metrics(
-    log_ratio_BT: Tensor,
-    advantages_BT: Tensor,
-    valid_BT: Tensor,
-    clipped_BT: Tensor | None,
-    denom: float | Tensor,
-    split_BT: Tensor | None = None,
-) -> Metrics:
-    """Additive metrics of one micro-batch: raw (pre-clip) ratios, trust region, clipped or masked tokens.
-
-    `log_ratio_BT` is 0 on padding. Fractions are of the optimizer batch's valid tokens (`denom`),
-    so summing them over micro-batches and ranks gives the global fraction. `clipped_BT`: valid
-    tokens whose gradient the loss removes (clipped or masked; all have A != 0), split by the sign
-    of A into `_pos` and `_neg`; with `split_BT`, counted by token class too.
-    """
-    log_ratio_BT = log_ratio_BT.detach()
-    sign_BT = advantages_BT.sign()
-    metrics = {
-        "loss/num_tokens": torch.count_nonzero(valid_BT),
-        "loss/ratio_mean": torch.where(valid_BT, log_ratio_BT.exp(), 0.0).sum() / denom,
-        "loss/abs_log_ratio_mean": torch.where(valid_BT, log_ratio_BT.abs(), 0.0).sum() / denom,
-        "loss/tr_frac": torch.count_nonzero(log_ratio_BT * sign_BT > 0) / denom,
-    }
-    if split_BT is not None:
-        split_BT = split_BT.to(valid_BT.device)
-        affected_BT = valid_BT & clipped_BT if clipped_BT is not None else torch.zeros_like(valid_BT)
-        tokens_S = torch.bincount(split_BT[valid_BT], minlength=NUM_SPLITS)
-        clipped_S = torch.bincount(split_BT[affected_BT], minlength=NUM_SPLITS)
-        for k in range(NUM_SPLITS):
-            metrics[f"loss/split_tokens_{k}"] = tokens_S[k]
-            metrics[f"loss/split_clipped_{k}"] = clipped_S[k]
-    if clipped_BT is None:
-        zero = torch.zeros((), device=log_ratio_BT.device)
-        return metrics | {"loss/clip_frac": zero, "loss/clip_frac_pos": zero, "loss/clip_frac_neg": zero}
-    num_clipped = torch.count_nonzero(clipped_BT)
-    num_clipped_pos = torch.count_nonzero(clipped_BT & (sign_BT > 0))
-    metrics["loss/clip_frac"] = num_clipped / denom
-    metrics["loss/clip_frac_pos"] = num_clipped_pos / denom
-    metrics["loss/clip_frac_neg"] = (num_clipped - num_clipped_pos) / denom
-    return metrics
-
-
-@torch.no_grad()
-def ratio_quantiles(log_ratio_BT: Tensor, mask_BT: Tensor, group: dist.ProcessGroup | None = None) -> Metrics:
-    """Global raw token-ratio quantiles over the valid tokens of the whole optimizer batch.
-
-    `loss/ratio_p01`, `_p10`, `_p50`, `_p90`, `_p99`, `_min`, `_max`: exact order statistics (the
-    lower one when a quantile falls between two), the same for every loss type and equal on all
-    ranks. Call once per optimizer step with the detached log-ratios of the rank's whole slice (for
-    losses without a global pass, those collected from the micro-batch forwards, after backward).
-    Empty when the batch has no valid token.
-    """
-    log_ratio_N = gather(log_ratio_BT.detach()[mask_BT.bool()].float(), group)
-    n = log_ratio_N.numel()
-    if n == 0:
-        return {}
-    lo, hi = torch.aminmax(log_ratio_N)
-    metrics = {"loss/ratio_min": lo.exp(), "loss/ratio_max": hi.exp()}
-    for name, q in QUANTILES.items():
-        metrics[f"loss/ratio_{name}"] = torch.kthvalue(log_ratio_N, 1 + math.floor(q * (n - 1))).values.exp()
-    return metrics
-
-
 # --- the losses ----------------------------------------------------------------------------------
 
 
@@ -243,7 +177,7 @@ class GRPO(_NoGlobalPass):
             clipped_BT = clipped_BT | dual_BT
             metrics["loss/dual_clip_frac"] = torch.count_nonzero(dual_BT) / denom
         loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
-        return loss, _token_metrics(
+        return loss, token_metrics(
             log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
         ) | metrics
 
@@ -260,7 +194,7 @@ class NoTR(_NoGlobalPass):
         valid_BT, denom = mask_BT.bool(), _denominator(num_tokens)
         log_ratio_BT = _log_ratio(logprobs_BT, behaviour_logprobs_BT, valid_BT, "no_tr")
         loss = -(log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(log_ratio_BT, advantages_BT, valid_BT, None, denom, split_BT)
+        return loss, token_metrics(log_ratio_BT, advantages_BT, valid_BT, None, denom, split_BT)
 
 
 @dataclass(frozen=True)
@@ -295,9 +229,15 @@ class M2PO:
             "m2po/m2_after": m2_after,
             "m2po/num_masked": num_masked,
             "m2po/num_trust_region": tr.num,
-            "m2po/threshold": threshold,
+            THRESHOLD: threshold,
         }
         return keep_BT, metrics
+
+    @staticmethod
+    def mask_threshold(prepared: Metrics) -> float:
+        """The z above which the mask `prepare` returned (with `prepared`, its metrics) leaves tokens
+        out: the next update's provisional mask starts from it (`mask_correction`)."""
+        return float(prepared[THRESHOLD])
 
     def __call__(
         self, logprobs_BT, behaviour_logprobs_BT, advantages_BT, mask_BT, aux_BT, num_tokens, split_BT=None
@@ -311,9 +251,7 @@ class M2PO:
         # Masked tokens take log r = 0 and A = 0: their gradient is an exact 0, never 0 * inf.
         ratio_BT = torch.where(aux_BT, log_ratio_BT, 0.0).exp()
         loss = -(ratio_BT * torch.where(aux_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(
-            log_ratio_BT, advantages_BT, valid_BT, valid_BT & ~aux_BT, denom, split_BT
-        )
+        return loss, token_metrics(log_ratio_BT, advantages_BT, valid_BT, valid_BT & ~aux_BT, denom, split_BT)
 
 
 @dataclass(frozen=True)
@@ -380,7 +318,7 @@ class M2POCap:
         # release. For trust-region tokens sign(log r) = sign(A).
         clipped_log_ratio_BT = torch.where(clipped_BT, advantages_BT.sign() * cap, log_ratio_BT)
         loss = -(clipped_log_ratio_BT.exp() * torch.where(valid_BT, advantages_BT, 0.0)).sum() / denom
-        return loss, _token_metrics(
+        return loss, token_metrics(
             log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
         ) | metrics
 
@@ -411,7 +349,7 @@ class GSPO(_NoGlobalPass):
         clipped_BT = valid_BT & (clipped_surrogate_BT < surrogate_BT)
         loss = -torch.where(valid_BT, objective_BT, 0.0).sum() / denom
         metrics = {"loss/seq_ratio_mean": (seq_ratio_B1.detach() * length_B1).sum() / denom}
-        return loss, _token_metrics(
+        return loss, token_metrics(
             log_ratio_BT, advantages_BT, valid_BT, clipped_BT, denom, split_BT
         ) | metrics
 

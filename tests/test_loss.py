@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from m2po_cli import second_moment
 from m2po_cli.config import Recipe
 from m2po_cli.config.loss import GRPOLoss, GSPOLoss, M2POCapLoss, M2POLoss, NoTRLoss
-from m2po_cli.loss import QUANTILES, MissingBehaviourLogprobs, build_loss, ratio_quantiles
+from m2po_cli.loss import MissingBehaviourLogprobs, build_loss
+from m2po_cli.loss_metrics import QUANTILES, ratio_quantiles
 
 ALL_LOSSES = [
     GRPOLoss(),

@@ -6,9 +6,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, model_validator
 
-from m2po_cli.config.tables import Table, field
+from m2po_cli.config.tables import Table, checks_files, field
 from m2po_cli.models import BUILTIN_NAMES, HUB_ID, model_source
 
 PAPER_PROMPT_TEMPLATE = (
@@ -43,7 +43,9 @@ class ModelConfig(Table):
     )
 
     @model_validator(mode="after")
-    def _check_path(self) -> ModelConfig:
+    def _check_path(self, info: ValidationInfo) -> ModelConfig:
+        if not checks_files(info):  # a run directory read elsewhere: its model's folder may not be here
+            return self
         try:
             model_source(self.path)
         except ValueError as e:
@@ -74,7 +76,7 @@ class DataConfig(Table):
     synthetic: SyntheticConfig = field(SyntheticConfig(), "Options of the synthetic arithmetic task.")
 
     @model_validator(mode="after")
-    def _check_source(self) -> DataConfig:
+    def _check_source(self, info: ValidationInfo) -> DataConfig:
         s = self.source
         if s.startswith("synthetic:"):
             if s not in SYNTHETIC_SOURCES:
@@ -82,7 +84,7 @@ class DataConfig(Table):
                     f"source: unknown synthetic task {s!r}; choose one of {', '.join(SYNTHETIC_SOURCES)}"
                 )
         elif s.endswith((".jsonl", ".json", ".parquet")):
-            if not Path(s).expanduser().is_file():
+            if checks_files(info) and not Path(s).expanduser().is_file():
                 raise ValueError(f"source: file not found: {s}")
         elif not HUB_ID.match(s):
             raise ValueError(

@@ -192,12 +192,15 @@ class Recipe(Table):
 # --- loading -------------------------------------------------------------------------------------
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = (), notes: list[str] | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path, overrides: Sequence[str] = (), notes: list[str] | None = None, files: bool = True
+) -> Recipe:
     """Read a TOML recipe, apply `--set` overrides, validate. Raises ConfigError.
 
     Errors name the file; those caused by an override name it as `FILE (--set)`. `--set
     loss.type=X` switches the loss: the keys of the file's `[loss]` that X does not take are dropped,
-    and `notes` (if given) gets one line saying which.
+    and `notes` (if given) gets one line saying which. `files=False`: the model's folder and the
+    data file are not looked for (a run directory's recipe, read where they may not be).
     """
 
     def switch_loss(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -211,7 +214,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = (), notes: list[str
             names = ", ".join(f"loss.{k}" for k in dropped)
             notes.append(f'{path} (--set): loss.type = "{value}" drops {names}, which {value} does not take')
 
-    return load(Recipe, Path(path), overrides, prepare=_arrays_as_tuples, before_set=switch_loss)
+    return load(Recipe, Path(path), overrides, prepare=_arrays_as_tuples, before_set=switch_loss, files=files)
 
 
 def _arrays_as_tuples(tree: dict[str, Any]) -> None:

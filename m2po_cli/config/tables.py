@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 
 from m2po_cli.errors import UserError
 
@@ -39,6 +39,14 @@ def field(default: Any, description: str, **kw: Any) -> Any:
 T = TypeVar("T", bound=Table)
 
 
+FILES = "files"  # the validation context's key: whether fields that name files are checked against the disk
+
+
+def checks_files(info: ValidationInfo) -> bool:
+    """Whether a validator should check the files and folders its fields name (`load(files=...)`)."""
+    return bool((info.context or {}).get(FILES, True))
+
+
 def load(
     model: type[T],
     path: Path | None,
@@ -47,12 +55,14 @@ def load(
     default_source: str = "defaults",
     prepare: Callable[[dict[str, Any]], None] | None = None,
     before_set: Callable[[dict[str, Any], str, Any], None] | None = None,
+    files: bool = True,
 ) -> T:
     """`path` (or only the defaults when None) with `--set` overrides, validated into `model`.
 
     `before_set(tree, key, value)` sees the tree before each override applies (e.g. to switch a
     table's type); `prepare` adjusts the raw tree before validation (e.g. TOML arrays into tuples).
-    Raises ConfigError.
+    `files=False` skips the checks of files and folders a field names (`checks_files`): a run
+    directory's recipe read on another machine. Raises ConfigError.
     """
     source = str(path) if path is not None else default_source
     tree = read_toml(path) if path is not None else {}
@@ -67,7 +77,7 @@ def load(
     if prepare is not None:
         prepare(tree)
     try:
-        return model.model_validate(tree)
+        return model.model_validate(tree, context={FILES: files})
     except ValidationError as e:
         key, msg = describe(e, model)
         hit = any(f"{key}.".startswith(f"{k}.") or f"{k}.".startswith(f"{key}.") for k in overridden)

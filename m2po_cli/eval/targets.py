@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from m2po_cli import checkpoint
+from m2po_cli import checkpoint, run_dir
 from m2po_cli.errors import UserError
 from m2po_cli.models import ModelError, check_model_dir, model_source
 
@@ -98,7 +98,7 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
     path = path.resolve()
     if _is_run(path):
         return _run_targets(path, all_checkpoints)
-    if path.parent.name == "checkpoints" and _is_run(path.parent.parent):
+    if path.parent.name == run_dir.CHECKPOINTS and _is_run(path.parent.parent):
         problem = checkpoint.check_files(path)
         if problem is not None:
             raise TargetError(f"{arg}: incomplete checkpoint: {problem}")
@@ -113,8 +113,8 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
 
 
 def _is_run(path: Path) -> bool:
-    return (path / "config.toml").is_file() and (
-        (path / "export").is_dir() or (path / "checkpoints").is_dir()
+    return run_dir.is_run_dir(path) and (
+        (path / run_dir.EXPORT).is_dir() or (path / run_dir.CHECKPOINTS).is_dir()
     )
 
 
@@ -124,7 +124,7 @@ def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
         if not steps:
             raise TargetError(f"{run}: no complete checkpoint under checkpoints/")
         return [Target(f"{run.name}/{p.name}", "step", str(p)) for p in steps]
-    export = run / "export"
+    export = run / run_dir.EXPORT
     if not (export / "config.json").is_file():
         raise TargetError(
             f"{run}: the run has no export/ (not finished, or checkpoint.export_hf = false); "
@@ -138,7 +138,7 @@ def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
 
 
 def _model_label(path: Path) -> str:
-    return f"{path.parent.name}/{path.name}" if (path.parent / "config.toml").is_file() else path.name
+    return f"{path.parent.name}/{path.name}" if run_dir.is_run_dir(path.parent) else path.name
 
 
 def _file_stats(directory: Path) -> list:
@@ -185,14 +185,11 @@ def export_step(step: Path) -> Path:
 
 
 def _convert(step: Path, run: Path, out: Path) -> None:
-    from m2po_cli.config import load_recipe
     from m2po_cli.hf_weights import write_hf
     from m2po_cli.models import resolve_model
     from m2po_cli.titan import load_arch
 
-    # The data source is irrelevant to the weights and may not exist where eval runs (a relative
-    # path, a moved file): replace it so that validation does not stop on it.
-    recipe = load_recipe(run / "config.toml", ['data.source="synthetic:arithmetic"'])
+    recipe = run_dir.read_recipe(run)  # its data file may not be where eval runs: it is not needed
     base = resolve_model(recipe.model.path)
     hf_state = load_arch(base).adapter.to_hf(checkpoint.read_model(step))
     write_hf(out, hf_state, base, recipe.model.dtype)

@@ -1,6 +1,7 @@
-"""`m2po inspect`: find a run directory, read what it recorded, show it. Never imports vLLM or builds a model.
+"""The inspection wing's commands: `m2po inspect ratios` (find a run directory, read what it
+recorded, show it) and `m2po compare` (runs side by side). Never imports vLLM or builds a model.
 
-A run directory is one that `m2po train` wrote: it holds `config.toml`. The default is the run under
+A run directory is one that `m2po train` wrote (`m2po_cli.run_dir`). The default is the run under
 `./runs` whose metrics changed last.
 """
 
@@ -8,36 +9,27 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
 from pathlib import Path
 
-from pydantic import TypeAdapter, ValidationError
 from rich.console import Console
 
+from m2po_cli import run_dir
 from m2po_cli.config.loss import LossConfig
-from m2po_cli.record import RecordError, load_records
+from m2po_cli.errors import UserError
 
 
-def find_run(run_dir: str | None, runs: Path = Path("runs")) -> Path:
-    """The given run directory, or the newest one under `runs`. Raises RecordError."""
-    if run_dir is not None:
-        path = Path(run_dir)
-        if not (path / "config.toml").is_file():
-            raise RecordError(f"{path}: not a run directory (no config.toml; `m2po train` writes one)")
-        return path
-    candidates = [p for p in runs.glob("*") if (p / "config.toml").is_file()] if runs.is_dir() else []
-    if not candidates:
-        raise RecordError(f"no run directories under {runs}/; name one: m2po inspect ratios RUN_DIR")
-    return max(candidates, key=_last_change)
-
-
-def _last_change(run: Path) -> float:
-    metrics = run / "metrics.jsonl"
-    return (metrics if metrics.exists() else run / "config.toml").stat().st_mtime
+def find_run(run: str | None, runs: Path = Path("runs")) -> Path:
+    """The given run directory, or the newest one under `runs`. Raises RunDirError."""
+    if run is not None:
+        return run_dir.require(Path(run))
+    try:
+        return run_dir.newest(runs)
+    except run_dir.RunDirError as e:
+        raise run_dir.RunDirError(f"{e}; name one: m2po inspect ratios RUN_DIR") from None
 
 
 def parse_steps(text: str | None) -> range | None:
-    """`A:B` -> range(A, B); either end may be left out. Raises RecordError."""
+    """`A:B` -> range(A, B); either end may be left out. Raises UserError."""
     if text is None:
         return None
     lo, sep, hi = text.partition(":")
@@ -46,38 +38,32 @@ def parse_steps(text: str | None) -> range | None:
             raise ValueError
         start, stop = int(lo) if lo else 0, int(hi) if hi else sys.maxsize
     except ValueError:
-        raise RecordError(f"--steps: expected A:B, e.g. 100:200 or 100: (got {text!r})") from None
+        raise UserError(f"--steps: expected A:B, e.g. 100:200 or 100: (got {text!r})") from None
     if start < 0 or stop <= start:
-        raise RecordError(f"--steps: need 0 <= A < B (got {text!r})")
+        raise UserError(f"--steps: need 0 <= A < B (got {text!r})")
     return range(start, stop)
 
 
 def run_loss(run: Path) -> tuple[LossConfig, str, int | None]:
     """The run's `[loss]` table, where its behaviour logprobs came from (`engine` or `learner`), and
     the rows of its rollout batches if it replayed rows (`[reuse] mode = "replay"`), else None."""
-    try:
-        tree = tomllib.loads((run / "config.toml").read_text())
-        loss = TypeAdapter(LossConfig).validate_python(tree.get("loss", {}))
-    except (tomllib.TOMLDecodeError, ValidationError) as e:
-        first = str(e).splitlines()[0]
-        raise RecordError(f"{run / 'config.toml'}: not a valid run config ({first})") from None
-    rollout, fresh_rows = tree.get("rollout", {}), None
-    if tree.get("reuse", {}).get("mode") == "replay":
-        fresh_rows = int(rollout["prompts_per_step"]) * int(rollout["n"])
-    return loss, tree.get("algorithm", {}).get("behaviour_logprobs", "engine"), fresh_rows
+    recipe = run_dir.read_recipe(run)
+    fresh_rows = recipe.rollout.prompts_per_step * recipe.rollout.n if recipe.reuse.mode == "replay" else None
+    return recipe.loss, recipe.algorithm.behaviour_logprobs, fresh_rows
 
 
-def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str | None) -> None:
+def ratios(run: str | None, steps: str | None, as_json: bool, plot_dir: str | None) -> None:
     """`m2po inspect ratios`: tables (or JSON) on stdout, PNG figures into `plot_dir`."""
     import torch
 
     from m2po_cli.inspection.ratios import analyse, rule_name
     from m2po_cli.inspection.report import show
+    from m2po_cli.record import load_records
 
     # One update's tensors are small: more threads cost more than they give, all the more next to a
     # training run on the same machine (5x the CPU time with two threads on a busy 2-core machine).
     torch.set_num_threads(1)
-    run = find_run(run_dir)
+    run = find_run(run)
     chosen = parse_steps(steps)
     loss, behaviour, fresh_rows = run_loss(run)
     records = load_records(run, chosen)
@@ -91,5 +77,33 @@ def ratios(run_dir: str | None, steps: str | None, as_json: bool, plot_dir: str 
         console.file.write(json.dumps(report, indent=1) + "\n")
         return
     show(report, str(run), rule_name(loss), console)
+    for path in report.get("plots", []):
+        console.print(f"wrote {path}")
+
+
+def compare_runs(run_dirs: tuple[str, ...], as_json: bool, plot_dir: str | None, x: str = "updates") -> None:
+    """`m2po compare`: tables (or JSON) on stdout, PNG figures against `x` into `plot_dir`."""
+    from rich.console import Console
+
+    from m2po_cli.inspection.compare import SPENT, CompareError, compare, read_runs, spent
+    from m2po_cli.inspection.compare_plots import write_figures
+    from m2po_cli.inspection.compare_report import arm_table, curve_table, run_table
+    from m2po_cli.inspection.report import print_whole
+
+    runs = read_runs([Path(p) for p in run_dirs])
+    report = compare(runs)
+    if plot_dir is not None:
+        missing = [str(run.path) for run in runs if spent(run, x) is None]
+        if missing:
+            raise CompareError(f"{missing[0]}: its steps do not log {SPENT[x]}, which --x {x} plots against")
+        report["plots"] = [str(p) for p in write_figures(runs, Path(plot_dir), x, report["curve"])]
+    console = Console()
+    if as_json:
+        console.file.write(json.dumps(report, indent=1) + "\n")
+        return
+    print_whole(console, run_table(report))
+    print_whole(console, arm_table(report))
+    if report["curve"]:
+        print_whole(console, curve_table(report))
     for path in report.get("plots", []):
         console.print(f"wrote {path}")

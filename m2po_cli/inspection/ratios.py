@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from m2po_cli.config.loss import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2POLoss, NoTRLoss
-from m2po_cli.loss import build_loss, ratio_quantiles
+from m2po_cli.loss import build_loss
+from m2po_cli.loss_metrics import ratio_quantiles
 from m2po_cli.record import Records
 
 WHAT_IF: tuple[LossConfig, ...] = (

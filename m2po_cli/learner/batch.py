@@ -41,7 +41,7 @@ class Batch:
     # int64, the prompt tokens each row starts with: rows with the same prompt may share its
     # computation (`shared_prompts`); None: every row is computed whole
     prompt_lengths_B: torch.Tensor | None = rows(optional=True)
-    # int64, each row's token class for the loss's metrics (`loss.NUM_SPLITS`: fresh, or a replayed
+    # int64, each row's token class for the loss's metrics (`loss_metrics.NUM_SPLITS`: fresh, or a replayed
     # row's age bucket); None: no split
     split_B: torch.Tensor | None = rows(optional=True)
 

@@ -32,14 +32,15 @@ from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
 from m2po_cli.device import resolve_dtype
-from m2po_cli.distributed import all_reduce, init_distributed
+from m2po_cli.distributed import add_into, init_distributed, sum_over_ranks
 from m2po_cli.hf_weights import HFWeights
 from m2po_cli.learner.batch import IDLE, Batch, plan_micro_batches
 from m2po_cli.learner.forward import forward_logprobs
 from m2po_cli.learner.logprobs import install_head
 from m2po_cli.learner.mask_correction import correction_rows, correction_weights, provisional_keep
 from m2po_cli.learner.parallelize import data_parallel_mesh, parallelize
-from m2po_cli.loss import PolicyLoss, ratio_quantiles
+from m2po_cli.loss import PolicyLoss
+from m2po_cli.loss_metrics import ratio_quantiles
 from m2po_cli.titan import ModelArch, load_arch
 
 
@@ -190,7 +191,7 @@ class Learner:
         )
         if loss_fn.keep_mask_aux:  # what `correct_after` would cost, should the batch outgrow one pass
             metrics["m2po/correction_frac"] = self._correct(batch, log_ratio_BL, aux_BL, None, 0)
-            self._provisional_z = float(metrics["m2po/threshold"])
+            self._provisional_z = loss_fn.mask_threshold(metrics)
         if index.numel():
             aux = aux_BL[index, :length]
         else:  # a rank without rows: its idle row scores nothing but joins every collective
@@ -199,7 +200,7 @@ class Learner:
         split = self._split(part, batch.split_B is not None)
         loss, m = self._loss(loss_fn, lp, part, aux.to(self.device), num_tokens, split)
         self._backward(loss, True)
-        return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
+        return metrics | sum_over_ranks({**m, "loss/loss": loss}), log_ratio_BL
 
     def _correct_after(self) -> bool:
         if self.recipe.train.global_pass == "auto":
@@ -223,7 +224,7 @@ class Learner:
             metrics.update(global_metrics)
             if loss_fn.keep_mask_aux:  # what `correct_after` would have cost, for `auto`
                 metrics["m2po/correction_frac"] = self._correct(batch, log_ratio_BL, aux_BL, None, 0)
-                self._provisional_z = float(metrics["m2po/threshold"])
+                self._provisional_z = loss_fn.mask_threshold(metrics)
         additive: dict[str, torch.Tensor] = {}
         splitting = batch.split_B is not None  # the same on every rank
         seen_log_ratio_BL = torch.zeros_like(batch.mask_BL)  # raw ratios at the step's start
@@ -235,13 +236,13 @@ class Learner:
             aux = aux_BL[index, :length].to(self.device) if aux_BL is not None else None
             loss, m = self._loss(loss_fn, lp, part, aux, num_tokens, self._split(part, splitting))
             self._backward(loss, last)
-            _add(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
+            add_into(additive, {**m, "loss/loss": loss})  # additive: each micro-batch's share of the mean
         if not batch.num_rows:  # no rows here: join the other ranks' sum with zeros of the same keys
             with torch.no_grad():
                 zeros = torch.zeros(batch.mask_BL.shape)
                 loss, m = loss_fn(*[zeros] * 4, aux_BL, num_tokens, self._split(batch, splitting))
             additive = {k: torch.zeros(()) for k in [*m, "loss/loss"]}
-        return metrics | _all_reduce_sum(additive), seen_log_ratio_BL
+        return metrics | sum_over_ranks(additive), seen_log_ratio_BL
 
     def _update_correct_after(
         self, batch: Batch, parts: list[tuple[torch.Tensor, Batch]], loss_fn: PolicyLoss, num_tokens: int
@@ -266,11 +267,11 @@ class Learner:
         metrics["m2po/correction_frac"] = self._correct(
             batch, log_ratio_BL, keep_BL, provisional_BL, num_tokens
         )
-        self._provisional_z = float(metrics["m2po/threshold"])
+        self._provisional_z = loss_fn.mask_threshold(metrics)
         with torch.no_grad():
             args = (batch.behaviour_logprobs_BL, batch.advantages_BL, batch.mask_BL, keep_BL, num_tokens)
             loss, m = loss_fn(current_BL, *args, self._split(batch, batch.split_B is not None))
-        return metrics | _all_reduce_sum({**m, "loss/loss": loss}), log_ratio_BL
+        return metrics | sum_over_ranks({**m, "loss/loss": loss}), log_ratio_BL
 
     def _provisional_keep(self, log_ratio_BL: torch.Tensor, batch: Batch) -> torch.Tensor:
         return provisional_keep(log_ratio_BL, batch.advantages_BL, batch.mask_BL.bool(), self._provisional_z)
@@ -394,16 +395,3 @@ class Learner:
         self.version = state["version"]
         self._provisional_z = state["global_mask"]["provisional_z"]
         self._correction_frac = state["global_mask"]["correction_frac"]
-
-
-def _add(totals: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
-    for k, v in values.items():
-        totals[k] = totals.get(k, 0) + v.detach().float().cpu()
-
-
-def _all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if not values:
-        return values
-    keys = sorted(values)
-    flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
-    return dict(zip(keys, all_reduce(flat, dist.ReduceOp.SUM), strict=True))

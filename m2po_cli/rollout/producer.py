@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import threading
 import time
 from collections import deque
@@ -48,8 +47,7 @@ from m2po_cli.rollout.server import (
     EngineError,
     EngineServer,
     Load,
-    one_line,
-    parse_completions,
+    generate,
     sampling_body,
     swap_weights,
 )
@@ -296,18 +294,9 @@ class RolloutProducer:
         seed = request_seed(self.run_seed, index)  # a resubmitted prompt samples what it would have
         body = sampling_body(ticket.prompt.token_ids, self.cfg, seed, self._model_of(url))
         try:
-            async with http.post(f"{url}{GENERATE}", json=body) as response:
-                text = await response.text()
-            if response.status != 200:
-                raise EngineError(f"{url}{GENERATE}: HTTP {response.status}: {one_line(text)}")
-            completions = parse_completions(json.loads(text), self.decode)
+            completions = await generate(http, url, body, self.decode, self.cfg.request_timeout_s)
         except EngineError as e:
             self._fail(e)
-            return
-        except TimeoutError:
-            self._fail(EngineError(
-                f"{url}{GENERATE}: no answer within {self.cfg.request_timeout_s:.0f} s (rollout.request_timeout_s)"
-            ))  # fmt: skip
             return
         except aiohttp.ClientError as e:
             # A kept-alive connection the server has just closed (it drops idle ones after a few

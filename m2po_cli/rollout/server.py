@@ -13,11 +13,13 @@ that group (kill -9 included) takes the engine along; it also gets a parent-deat
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import httpx
 import psutil
 
@@ -293,6 +295,24 @@ def parse_completions(response: dict, decode: Callable[[list[int]], str]) -> lis
         )
         for c in choices
     ]
+
+
+async def generate(
+    http: aiohttp.ClientSession, url: str, body: dict, decode: Callable[[list[int]], str], timeout_s: float
+) -> list[Completion] | None:
+    """One generate request (`sampling_body`) to the server at `url`, in the caller's session: its
+    completions (None: aborted). Raises EngineError for an error answer or none within `timeout_s`
+    (the session's timeout); aiohttp.ClientError for a connection that failed."""
+    try:
+        async with http.post(f"{url}{GENERATE}", json=body) as response:
+            text = await response.text()
+    except TimeoutError:
+        raise EngineError(
+            f"{url}{GENERATE}: no answer within {timeout_s:.0f} s (rollout.request_timeout_s)"
+        ) from None
+    if response.status != 200:
+        raise EngineError(f"{url}{GENERATE}: HTTP {response.status}: {one_line(text)}")
+    return parse_completions(json.loads(text), decode)
 
 
 def token_versions(spans: list[dict] | None, num_tokens: int) -> list[int]:

@@ -27,6 +27,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.rollout.settings import request_seed
+from m2po_cli.run_dir import NEWEST_REWARD, NEWEST_VERSION
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
@@ -35,10 +36,6 @@ from m2po_cli.train.runlog import RunLog
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
 MISMATCH_SAMPLE_ROWS = 4
-# The mean reward of the batch a step generates, by the policy of that moment (the batch is trained
-# s updates later); `generate_share` leaves it in the batch's meta and the source logs it that step.
-NEWEST_REWARD = "rollout/newest_reward_mean"
-NEWEST_VERSION = "staleness/newest_version"
 
 
 class ColocatedSource:

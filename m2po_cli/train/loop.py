@@ -26,6 +26,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
+from m2po_cli.run_dir import EXPORT
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
@@ -123,7 +124,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
                 save = saver(source, reuse, learner)
                 checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, save)
         if recipe.checkpoint.export_hf:
-            learner.export_hf(run_dir / "export", model_dir)
+            learner.export_hf(run_dir / EXPORT, model_dir)
     if log is not None:
         log.message(log.summary())
     return run_dir

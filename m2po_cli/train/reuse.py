@@ -39,7 +39,7 @@ from torch import Tensor
 from m2po_cli.config import Recipe, ReuseConfig
 from m2po_cli.distributed import all_reduce
 from m2po_cli.learner.batch import Batch
-from m2po_cli.loss import NUM_SPLITS
+from m2po_cli.loss_metrics import NUM_SPLITS
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.fifo import unshared
 from m2po_cli.train.packed import PackedRollouts
@@ -48,7 +48,7 @@ NO_VERSION = 2**62  # a group with no rows on a rank: the MIN over ranks ignores
 
 
 def age_bucket(age_B: Tensor) -> Tensor:
-    """A replayed row's token class for the loss's metrics (`loss.NUM_SPLITS`): 1 for age 1, 2 for
+    """A replayed row's token class for the loss's metrics (`loss_metrics.NUM_SPLITS`): 1 for age 1, 2 for
     2-3, 3 for 4-7, ..., the last for 128 and older. Class 0 is fresh."""
     return (1 + torch.log2(age_B.clamp(min=1).double()).floor().long()).clamp(max=NUM_SPLITS - 1)
 

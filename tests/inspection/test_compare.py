@@ -19,7 +19,8 @@ from rich.table import Table
 
 from m2po_cli.config import load_recipe
 from m2po_cli.config.tables import to_toml
-from m2po_cli.inspection.compare import compare, curve_figures, figures, read_runs
+from m2po_cli.inspection.compare import compare, read_runs
+from m2po_cli.inspection.compare_plots import curve_figures, figures
 from m2po_cli.inspection.report import print_whole
 from tests.conftest import QUICKSTART
 
