@@ -22,6 +22,8 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,13 +96,25 @@ PORTABLE_KERNELS = {
 KINDS = {"TinyQwen3": TinyQwen3, "SmolLM2Gguf": SmolLM2Gguf}
 
 
-def build_portable(spec: TinyQwen3 | SmolLM2Gguf, out: Path) -> None:
-    """`build(spec, out)` in a child process on `PORTABLE_KERNELS`; raises naming the failed build."""
+PROGRESS = "m2po-build-progress"  # the child's stdout lines `PROGRESS done total`
+Progress = Callable[[int, int], None]  # (steps done, steps in all)
+
+
+def build_portable(spec: TinyQwen3 | SmolLM2Gguf, out: Path, progress: Progress | None = None) -> None:
+    """`build(spec, out)` in a child process on `PORTABLE_KERNELS`; raises naming the failed build.
+    `progress(done, total)` hears the warm start's steps as the child takes them (every tenth)."""
     cmd = [sys.executable, "-m", "m2po_cli.builtin_models", json.dumps(spec_dict(spec)), str(out)]
-    done = subprocess.run(cmd, env={**os.environ, **PORTABLE_KERNELS}, capture_output=True, text=True)
-    if done.returncode:
-        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
-        raise RuntimeError(f"building the builtin {type(spec).__name__} into {out} failed: {lines[-1]}")
+    env = {**os.environ, **PORTABLE_KERNELS}
+    with tempfile.TemporaryFile("w+") as errors:
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True) as child:
+            for line in child.stdout:
+                name, *counts = line.split()
+                if name == PROGRESS and progress is not None:
+                    progress(*map(int, counts))
+        if child.returncode:
+            errors.seek(0)
+            lines = errors.read().strip().splitlines() or [f"exit code {child.returncode}"]
+            raise RuntimeError(f"building the builtin {type(spec).__name__} into {out} failed: {lines[-1]}")
 
 
 def spec_dict(spec: TinyQwen3 | SmolLM2Gguf) -> dict[str, Any]:
@@ -115,10 +129,11 @@ def spec_from_dict(fields: dict[str, Any]) -> TinyQwen3 | SmolLM2Gguf:
     return kind(**fields)
 
 
-def build(spec: TinyQwen3 | SmolLM2Gguf, out: Path) -> None:
-    """Write the builtin `spec` describes into the folder `out`, on this process's kernels."""
+def build(spec: TinyQwen3 | SmolLM2Gguf, out: Path, progress: Progress | None = None) -> None:
+    """Write the builtin `spec` describes into the folder `out`, on this process's kernels;
+    `progress(done, total)` after every tenth of a warm start."""
     if isinstance(spec, TinyQwen3):
-        _build_tiny_qwen3(spec, out)
+        _build_tiny_qwen3(spec, out, progress)
     else:
         _build_smollm2(spec, out)
 
@@ -200,7 +215,7 @@ def qwen3_config(shape, tokenizer: PreTrainedTokenizerFast):
     )
 
 
-def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
+def _build_tiny_qwen3(spec: TinyQwen3, out: Path, progress: Progress | None = None) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
@@ -210,13 +225,18 @@ def _build_tiny_qwen3(spec: TinyQwen3, out: Path) -> None:
     with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
         torch.manual_seed(spec.init_seed)
         model = Qwen3ForCausalLM(config)
-    warm_start(model, tokenizer, spec.warm_start)
+    warm_start(model, tokenizer, spec.warm_start, progress)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
-def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: WarmStart) -> None:
+def warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    ws: WarmStart,
+    progress: Progress | None = None,
+) -> None:
     """Teach the answer format and a weak prior on the sums: a short, seeded supervised run, in place.
 
     Each example is the chat prompt of a problem `a+b` (`num_operands` operands, uniform in
@@ -242,7 +262,7 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
     max_answer = ws.num_operands * ws.max_operand
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     model.train()
-    for _ in range(ws.steps):
+    for step in range(ws.steps):
         operands_BO = torch.randint(0, ws.max_operand + 1, (ws.batch_size, ws.num_operands), generator=gen)
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
         correct_B = torch.rand(ws.batch_size, generator=gen) < ws.correct_fraction
@@ -255,6 +275,8 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, ws: W
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if progress is not None and (10 * step) // ws.steps != (10 * (step + 1)) // ws.steps:
+            progress(step + 1, ws.steps)  # each tenth done
     model.eval()
 
 
@@ -303,5 +325,10 @@ def _format_batch(
     return input_ids_BT, labels_BT
 
 
+def _report(done: int, total: int) -> None:
+    sys.stdout.write(f"{PROGRESS} {done} {total}\n")
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":  # build_portable's child: python -m m2po_cli.builtin_models SPEC_JSON OUT
-    build(spec_from_dict(json.loads(sys.argv[1])), Path(sys.argv[2]))
+    build(spec_from_dict(json.loads(sys.argv[1])), Path(sys.argv[2]), _report)

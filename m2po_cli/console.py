@@ -74,3 +74,11 @@ def adopt_transformers(verbose: bool) -> None:
 def announce(log_path: Path) -> None:
     """The one line that says where the third-party output went."""
     print(f"third-party logs and warnings: {log_path} (-v shows them here)", file=sys.stderr)
+
+
+def note(message: str) -> None:
+    """A line for the user on the console (stderr) from rank 0, before a run's log exists."""
+    from m2po_cli.torchrun import launch
+
+    if launch().rank == 0:
+        print(message, file=sys.stderr, flush=True)

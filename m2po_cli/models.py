@@ -39,11 +39,13 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, WarmStart, build_portable, spec_dict
+from m2po_cli.console import note
 from m2po_cli.errors import UserError
 
 # Bump when a builder's code changes what it writes, so caches built by older code are not reused.
@@ -92,14 +94,16 @@ class ModelError(UserError, ValueError):
     """A model path that resolves to nothing usable (one line, naming the path)."""
 
 
-def resolve_model(path: str) -> Path:
-    """A local HF-format model directory for `path`: a directory, a hub id or a builtin name."""
+def resolve_model(path: str, say: Callable[[str], None] | None = None) -> Path:
+    """A local HF-format model directory for `path`: a directory, a hub id or a builtin name. A
+    builtin not built yet on this machine is built first (from seconds to many minutes): `say`
+    (default: the console, rank 0) hears that it is, and how far its warm start has got."""
     try:
         source = model_source(path)
     except ValueError as e:
         raise ModelError(str(e)) from None
     if source == "builtin":
-        return _build_cached(path.removeprefix("builtin:"), BUILTINS[path])
+        return _build_cached(path, BUILTINS[path], note if say is None else say)
     if source == "local":
         return Path(path).expanduser()
     return _download(path)
@@ -207,9 +211,29 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
+PROGRESS_EVERY_S = 30.0  # the least time between two progress lines of a build
+
+
+def _progress_line(path: str, say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A build's `progress(done, total)` that says how far its warm start has got and about how long
+    is left, at most every `PROGRESS_EVERY_S` seconds (a quick build says nothing more)."""
+    start = last = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < PROGRESS_EVERY_S and done < total:
+            return
+        last, elapsed = now, now - start
+        left = f", about {elapsed * (total - done) / done:.0f} s left" if done < total else ""
+        say(f"{path}: warm start {done}/{total} steps in {elapsed:.0f} s{left}")
+
+    return progress
+
+
+def _build_cached(path: str, spec: TinyQwen3 | SmolLM2Gguf, say: Callable[[str], None]) -> Path:
     root = cache_root() / "models"
-    final = root / f"{name}-{_spec_hash(spec)}"
+    final = builtin_dir(path)
     if _usable(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -221,8 +245,9 @@ def _build_cached(name: str, spec: TinyQwen3 | SmolLM2Gguf) -> Path:
         for stale in root.glob(f".{final.name}.tmp*"):  # left by a killed build; we hold the lock
             shutil.rmtree(stale)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=root))
+        say(f"building {path} into {final}: once on this machine, later runs reuse it")
         try:
-            build_portable(spec, tmp)
+            build_portable(spec, tmp, _progress_line(path, say))
             weights = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
             record = {**_build_record(spec), "model_sha256": weights}
             (tmp / "m2po_build.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -14,6 +14,12 @@ def weighted_match(prompt, completions, answer, **columns):
     return [-1.0 if prompt in c else float(columns["weight"]) * (answer in c) for c in completions]
 
 
+def from_solution_column(prompt, completions, answer, **columns):
+    """1 where the response contains the row's `solution` field: a dataset that calls it `answer`
+    scores nothing (what a user's reward reading a column of another dataset does)."""
+    return [float(bool(columns.get("solution")) and columns["solution"] in c) for c in completions]
+
+
 def raises(prompt, completions, answer, **columns):
     raise KeyError("no such column\nsecond line")
 

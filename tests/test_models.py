@@ -137,6 +137,27 @@ def cheap_builtin(tmp_path, monkeypatch) -> str:
     return name
 
 
+def test_a_build_says_so_and_how_far_its_warm_start_has_got(cheap_builtin, monkeypatch):
+    """The first use of a builtin on a machine builds it (the long-tail model: 16 minutes on this
+    kind): the console hears that it does, and the warm start's progress (here every tenth: no wait
+    between lines), its steps counted by the child that takes them; a cached builtin says nothing."""
+    spec = models.BUILTINS[cheap_builtin]
+    monkeypatch.setitem(
+        models.BUILTINS,
+        cheap_builtin,
+        dataclasses.replace(spec, warm_start=dataclasses.replace(spec.warm_start, steps=20)),
+    )
+    monkeypatch.setattr(models, "PROGRESS_EVERY_S", 0.0)
+    said: list[str] = []
+    path = resolve_model(cheap_builtin, said.append)
+    assert said[0] == f"building {cheap_builtin} into {path}: once on this machine, later runs reuse it"
+    steps = [int(re.search(r"warm start (\d+)/20 steps in \d+ s", line)[1]) for line in said[1:]]
+    assert steps == list(range(2, 21, 2))
+    assert "left" in said[1] and "left" not in said[-1]
+    said.clear()
+    assert resolve_model(cheap_builtin, said.append) == path and said == []
+
+
 def test_build_spec_names_the_cache_dir(cheap_builtin):
     path = resolve_model(cheap_builtin)
     assert path.parent == Path(models.cache_root()) / "models"

@@ -134,9 +134,25 @@ def test_a_run_trains_on_the_functions_rewards(tmp_path):
     assert [s["step"] for s in steps] == [0, 1] and len(samples) == 2 * rows
     assert all(s["reward"] == len(s["completion"]) for s in samples)
     assert any(s["reward"] > 1 for s in samples)  # not the math grader's 0 or 1
+    assert "scored 0" not in done.stderr
     for step in steps:
         mine = [s["reward"] for s in samples if s["step"] == step["step"]]
         assert step["rollout/reward_mean"] == pytest.approx(sum(mine) / len(mine), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_run_whose_first_steps_score_nothing_says_so_once_with_a_sample(tmp_path):
+    """A reward that reads a column the data does not have scores every sample 0: the console says
+    so once, after the first steps, with what scores them and one sampled answer and its reward."""
+    done = train(tmp_path, 'reward.function="tests.rewards:from_solution_column"', "run.steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "scored 0" in line]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert said[0].startswith(
+        "every sample of the first 2 steps scored 0 (reward.function tests.rewards:from_solution_column); "
+        "one of them: prompt '"
+    )
+    assert "-> completion '" in said[0] and said[0].endswith(", reward 0")
 
 
 @pytest.mark.slow

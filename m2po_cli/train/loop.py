@@ -84,6 +84,8 @@ class RolloutSource(Protocol):
     def close(self) -> None: ...
 
 
+ZERO_REWARD_STEPS = 2  # first steps that scored nothing before the console says so
+
 SOURCES: dict[str, type[RolloutSource]] = {"colocated": ColocatedSource, "separate": SeparateSource}
 
 
@@ -148,10 +150,13 @@ def prepare(
 
 
 def log_step(log: RunLog, recipe: Recipe, step: int, metrics: dict, batch: PackedRollouts, tokenizer) -> None:
-    """The step's line of the run log, and some of its rows as text when `logging.samples` asks."""
+    """The step's line of the run log, and some of its rows as text when `logging.samples` asks; once,
+    if every sample of the run's first steps scored 0, one of them on the console."""
     log.log(step, metrics)
     if recipe.logging.samples and step % recipe.logging.samples_every == 0:
         log.samples(step, batch_samples(batch, tokenizer, recipe.logging.samples))
+    if log.rewards == [0.0] * ZERO_REWARD_STEPS:
+        log.nothing_scored(batch_samples(batch, tokenizer, 1))
 
 
 def saver(source: RolloutSource, reuse: Reuse, learner: Learner):

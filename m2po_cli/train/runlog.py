@@ -185,6 +185,22 @@ class RunLog:
             table.add_row(str(s["row"]), f"{s['reward']:g}", s["prompt"], s["completion"])
         self.console.print(table)
 
+    def nothing_scored(self, samples: list[dict]) -> None:
+        """Say that no sample of the run's first steps scored anything, what scores them, and one
+        sample (`batch_samples`: prompt, completion, reward), so a reward that never matches shows why."""
+        reward = self.recipe.reward
+        scorer = (
+            f"reward.function {reward.function}"
+            if reward.function
+            else f"the math grader: each response's last \\boxed{{}} against the {self.recipe.data.answer_key!r} "
+            "field of the data (data.answer_key)"
+        )
+        text = f"every sample of the first {len(self.rewards)} steps scored 0 ({scorer})"
+        for s in samples:
+            prompt, completion = _clip(s["prompt"], -SHOWN_CHARS), _clip(s["completion"], SHOWN_CHARS)
+            text += f"; one of them: prompt {prompt!r} -> completion {completion!r}, reward {s['reward']:g}"
+        self.console.print(text, soft_wrap=True, markup=False, highlight=False)
+
     def message(self, text: str) -> None:
         self.console.print(text, soft_wrap=True)  # one line, whatever the terminal width
 
@@ -209,3 +225,13 @@ class RunLog:
             self.progress.stop()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+SHOWN_CHARS = 300  # of a prompt's end and a completion's start, in a console message
+
+
+def _clip(text: str, chars: int) -> str:
+    """The first `chars` characters of `text` (the last -`chars` if negative), marked where cut."""
+    if len(text) <= abs(chars):
+        return text
+    return "..." + text[chars:] if chars < 0 else text[:chars] + "..."
