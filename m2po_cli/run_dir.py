@@ -67,7 +67,8 @@ def read_recipe(run: Path) -> Recipe:
     try:
         return load_recipe(path, files=False)
     except ConfigError as e:
-        raise RunDirError(f"{path}: not a valid run config ({e})") from None
+        what = f"{e.key}: {e.message}" if e.key else e.message
+        raise RunDirError(f"{path}: not a valid run config ({what})") from None
 
 
 def read_metrics(run: Path) -> list[dict]:

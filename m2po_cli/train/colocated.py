@@ -31,7 +31,7 @@ from m2po_cli.run_dir import NEWEST_REWARD, NEWEST_VERSION
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
-from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, grade_and_pack
 from m2po_cli.train.runlog import RunLog
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
@@ -204,12 +204,9 @@ def generate_share(
     groups = engine.generate(tokens, seeds) if mine else []
     t_gen = time.perf_counter() - t0
     if mine and learner.rank % tp == 0:
-        rewards = grader.score_groups([p.problem for p in mine], [[c.text for c in g] for g in groups])
-        rewards_PG = torch.tensor(rewards, dtype=torch.float32)
-        a = recipe.algorithm
-        batch = pack_groups(
-            learner.version, share.start * n, tokens, groups, rewards_PG, a.normalize_std, a.std_eps
-        )
+        versions = [learner.version] * len(mine)
+        packs = grade_and_pack(grader, [p.problem for p in mine], tokens, groups, versions, recipe.algorithm)
+        batch = PackedRollouts.cat(packs, torch.arange(share.start * n, share.stop * n))
     t_grade = time.perf_counter() - t0 - t_gen
     # One MAX reduction gives the slowest times and the busiest and idlest engine (max of -tokens);
     # only a group's first rank speaks for its engine.

@@ -31,7 +31,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.advantages import grpo_advantages
+from m2po_cli.config import AlgorithmConfig
+from m2po_cli.data import Problem
 from m2po_cli.distributed import gather, transfer_device
+from m2po_cli.grader import Grader
 from m2po_cli.learner.batch import Batch
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
@@ -269,6 +272,26 @@ def pack_groups(
         ),
         trained_R=torch.ones(sum(len(c.token_ids) for _, c in samples), dtype=torch.bool),
     )
+
+
+def grade_and_pack(
+    grader: Grader,
+    problems: list[Problem],
+    prompts: list[list[int]],
+    groups: list[list[Completion]],
+    versions: list[int],
+    algorithm: AlgorithmConfig,
+) -> list[PackedRollouts]:
+    """Finished groups, graded in one call (`Grader.score_groups`) and packed one a group (`pack_groups`,
+    rows numbered from 0, each group at the version its request was submitted at): what both rollout
+    sources do with what their engines finish."""
+    rewards = grader.score_groups(problems, [[c.text for c in g] for g in groups])
+    rewards_GN = torch.tensor(rewards, dtype=torch.float32)
+    a = algorithm
+    return [
+        pack_groups(version, 0, [prompt], [group], rewards_GN[g : g + 1], a.normalize_std, a.std_eps)
+        for g, (prompt, group, version) in enumerate(zip(prompts, groups, versions, strict=True))
+    ]
 
 
 def owners(row_B: Tensor, lengths_B: Tensor, schedule: Schedule, world: int) -> Tensor:

@@ -32,7 +32,7 @@ from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, reso
 from m2po_cli.rollout.types import Finished, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
-from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, grade_and_pack
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 
 TRAINED_LOG = "trained_prompts.jsonl"
@@ -212,22 +212,14 @@ def start_servers(
 def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[PackedRollouts]:
     """Grade finished groups and pack each into its `n` rows (the producer's settling thread): rows
     keep their group's submission version and each token's own."""
-    n, a = recipe.rollout.n, recipe.algorithm
-    problems = [f.ticket.prompt.problem for f in finished]
-    rewards = grader.score_groups(problems, [[c.text for c in f.completions] for f in finished])
-    rewards_GN = torch.tensor(rewards, dtype=torch.float32).view(len(finished), n)
-    return [
-        pack_groups(
-            f.version,
-            0,
-            [f.ticket.prompt.token_ids],
-            [f.completions],
-            rewards_GN[i : i + 1],
-            a.normalize_std,
-            a.std_eps,
-        )
-        for i, f in enumerate(finished)
-    ]
+    return grade_and_pack(
+        grader,
+        [f.ticket.prompt.problem for f in finished],
+        [f.ticket.prompt.token_ids for f in finished],
+        [f.completions for f in finished],
+        [f.version for f in finished],
+        recipe.algorithm,
+    )
 
 
 def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group]) -> None:
