@@ -18,6 +18,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import toward_advantage
 from m2po_cli.models import resolve_model
 from tests.conftest import recipe_for
+from tests.steps import train_once
 from tests.tolerances import adam_weight_bounds, forward_atol, max_gap, within
 from tests.workers.dist_learner_worker import OVERRIDES as WORKER_OVERRIDES
 from tests.workers.dist_learner_worker import QUICKSTART as WORKER_RECIPE
@@ -333,12 +334,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
     """The learner's GRPO updates (advantages, temperature, token mean, clip, gradient clip, AdamW)
     are the standard ones: two updates on one batch, the second off-policy by one update so the clip
     acts, against `literal_grpo_updates` on the HF model."""
-    from m2po_cli.loss import build_loss
-    from m2po_cli.schedule import Schedule
     from m2po_cli.train.colocated import score_at_behaviour_version
-    from m2po_cli.train.reuse import plan_passes
-    from m2po_cli.train.updates import train_on
-    from tests.conftest import no_record
     from tests.workers.dist_learner_worker import applied_gradients, fixed_batch
 
     recipe = recipe_for(
@@ -377,15 +373,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
     norms_U, clip = [], learner._clip
     learner._clip = lambda: norms_U.append(clip()) or norms_U[-1]
     score_at_behaviour_version(batch, learner, everything=True, group_size=n)
-    metrics = train_on(
-        plan_passes(batch, Schedule.of(recipe)),
-        learner,
-        build_loss(recipe.loss),
-        None,
-        recipe,
-        no_record(tmp_path, learner),
-        0,
-    )
+    metrics = train_once(batch, learner, recipe)
     state = learner.arch.adapter.to_hf({k: v.full_tensor() for k, v in learner.model.state_dict().items()})
     half = batch.num_rows // 2
     ref_grads_U, ref_norms_U, ref_state = literal_grpo_updates(

@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from m2po_cli.config import SyntheticConfig
 from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner.policy import Learner
-from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import (
@@ -30,11 +29,10 @@ from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.packed import pack_groups
-from m2po_cli.train.reuse import plan_passes
-from m2po_cli.train.updates import train_on
 from tests.conftest import no_record, recipe_for
 from tests.probes import server_prompt_logprobs
 from tests.rollout.test_weight_sync import logprob_gap, sampled_batch
+from tests.steps import train_once
 
 pytestmark = pytest.mark.slow
 
@@ -123,15 +121,7 @@ def test_shm_sync_makes_server_match_learner(served, tokenizer, tmp_path):
         assert logprob_gap(engine, learner, sequences) < 1e-4
         for _ in range(2):
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(
-                plan_passes(batch, Schedule.of(recipe)),
-                learner,
-                build_loss(recipe.loss),
-                None,
-                recipe,
-                no_record(tmp_path, learner),
-                0,
-            )
+            train_once(batch, learner, recipe)
             stale = logprob_gap(engine, learner, sequences)
             assert stale > 1e-3, f"a skipped sync moved the probe by only {stale:.2e}"
             transport.after_update(learner)
@@ -309,15 +299,7 @@ def test_each_token_was_sampled_by_the_version_it_records(served, tokenizer, tmp
             assert int(staleness_R.min()) >= 0 and int(staleness_R.max()) <= max_staleness
             gap = behaviour_gap(versions, batch)
             assert gap < 1e-4, f"tokens differ from the weights of the version they record by {gap:.2e}"
-            train_on(
-                plan_passes(batch, Schedule.of(recipe)),
-                learner,
-                build_loss(recipe.loss),
-                sync,
-                recipe,
-                record,
-                0,
-            )
+            train_once(batch, learner, recipe, sync, record)
         metrics = producer.take_metrics()
         assert metrics["rollout/regenerated"] == 0
         assert 0 <= metrics["perf/engine_idle_frac"] <= 1

@@ -15,6 +15,7 @@ from m2po_cli.models import resolve_model
 from m2po_cli.rollout.nccl import learner_source, rank_offsets
 from m2po_cli.rollout.transport import resolve_transport
 from tests.conftest import recipe_for
+from tests.steps import train_once
 
 SEPARATE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
 
@@ -61,13 +62,8 @@ def test_nccl_on_a_cpu_stops_before_anything_starts(tmp_path):
 @pytest.mark.slow
 def test_nccl_sync_makes_server_match_learner(tmp_path):
     """Learner on GPU 0, `vllm serve` on GPU 1: after a sync the engine's logprobs are the learner's."""
-    from m2po_cli.loss import build_loss
     from m2po_cli.rollout.nccl import NcclWeightTransport
     from m2po_cli.rollout.server import EngineServer, swap_weights
-    from m2po_cli.schedule import Schedule
-    from m2po_cli.train.reuse import plan_passes
-    from m2po_cli.train.updates import train_on
-    from tests.conftest import no_record
     from tests.rollout.test_server import HTTPEngine, probe
     from tests.rollout.test_weight_sync import logprob_gap, sampled_batch
 
@@ -96,15 +92,7 @@ def test_nccl_sync_makes_server_match_learner(tmp_path):
             transport.push(learner)
             assert logprob_gap(engine, learner, sequences) < 1e-4
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(
-                plan_passes(batch, Schedule.of(recipe)),
-                learner,
-                build_loss(recipe.loss),
-                None,
-                recipe,
-                no_record(tmp_path, learner),
-                0,
-            )
+            train_once(batch, learner, recipe)
             assert logprob_gap(engine, learner, sequences) > 1e-3  # no sync yet
             transport.after_update(learner)
             assert logprob_gap(engine, learner, sequences) < 1e-4

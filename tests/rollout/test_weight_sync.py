@@ -11,18 +11,15 @@ import torch
 from m2po_cli.data import encode_prompt
 from m2po_cli.errors import RunError
 from m2po_cli.learner.policy import Learner
-from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
-from m2po_cli.schedule import Schedule
 from m2po_cli.train.packed import PackedRollouts, pack_groups
-from m2po_cli.train.reuse import plan_passes
-from m2po_cli.train.updates import train_on
 from tests.conftest import recipe_for
 from tests.probes import prompt_logprobs, require_version
+from tests.steps import train_once
 
 pytestmark = pytest.mark.slow
 
@@ -76,15 +73,7 @@ def test_push_makes_engine_match_learner(model, tmp_path):
 
         for _ in range(2):
             batch = sampled_batch(engine, tokenizer, recipe, learner.version)
-            train_on(
-                plan_passes(batch, Schedule.of(recipe)),
-                learner,
-                build_loss(recipe.loss),
-                None,
-                recipe,
-                no_record(recipe, learner),
-                0,
-            )  # no engine: no push
+            train_once(batch, learner, recipe)  # no engine: no push
             stale = logprob_gap(engine, learner, probe)
             # The check below is only meaningful if a missed push is visible to it.
             assert stale > 1e-3, f"the update moved the probe's logprobs by only {stale:.2e}"

@@ -26,7 +26,6 @@ from m2po_cli.config import load_recipe
 from m2po_cli.data import PromptBatches, encode_prompt, load_problems
 from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner.policy import Learner
-from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.settings import request_seed
@@ -34,10 +33,9 @@ from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
-from m2po_cli.train.reuse import plan_passes
-from m2po_cli.train.updates import train_on
 from tests.probes import require_version
 from tests.rollout.test_weight_sync import logprob_gap, no_record
+from tests.steps import train_once
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.toml"
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (4, 0)]
@@ -139,15 +137,7 @@ def main(out: Path, tp: int) -> None:
         for step in range(2):
             batch, mine = gathered_batch(engine, tokenizer, recipe, learner, seed=step)
             record["generated"].append(mine)
-            train_on(
-                plan_passes(batch, Schedule.of(recipe)),
-                learner,
-                build_loss(recipe.loss),
-                None,
-                recipe,
-                no_record(recipe, learner),
-                0,
-            )  # no engine: the push is skipped
+            train_once(batch, learner, recipe)  # no engine: the push is skipped
             record["stale"].append(logprob_gap(engine, learner, probe))
             try:
                 require_version(engine, learner.version)
