@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from m2po_cli.distributed import gather
+from m2po_cli.run_dir import ABS_LOG_RATIO, CLIP_FRAC
 
 Metrics = dict[str, Tensor]
 NUM_SPLITS = 9  # token classes of `split_BT`: fresh, then replayed by age 1, 2-3, 4-7, ..., 128 and more
@@ -38,7 +39,7 @@ def token_metrics(
     metrics = {
         "loss/num_tokens": torch.count_nonzero(valid_BT),
         "loss/ratio_mean": torch.where(valid_BT, log_ratio_BT.exp(), 0.0).sum() / denom,
-        "loss/abs_log_ratio_mean": torch.where(valid_BT, log_ratio_BT.abs(), 0.0).sum() / denom,
+        ABS_LOG_RATIO: torch.where(valid_BT, log_ratio_BT.abs(), 0.0).sum() / denom,
         "loss/tr_frac": torch.count_nonzero(log_ratio_BT * sign_BT > 0) / denom,
     }
     if split_BT is not None:
@@ -51,10 +52,10 @@ def token_metrics(
             metrics[f"loss/split_clipped_{k}"] = clipped_S[k]
     if clipped_BT is None:
         zero = torch.zeros((), device=log_ratio_BT.device)
-        return metrics | {"loss/clip_frac": zero, "loss/clip_frac_pos": zero, "loss/clip_frac_neg": zero}
+        return metrics | {CLIP_FRAC: zero, "loss/clip_frac_pos": zero, "loss/clip_frac_neg": zero}
     num_clipped = torch.count_nonzero(clipped_BT)
     num_clipped_pos = torch.count_nonzero(clipped_BT & (sign_BT > 0))
-    metrics["loss/clip_frac"] = num_clipped / denom
+    metrics[CLIP_FRAC] = num_clipped / denom
     metrics["loss/clip_frac_pos"] = num_clipped_pos / denom
     metrics["loss/clip_frac_neg"] = (num_clipped - num_clipped_pos) / denom
     return metrics

@@ -30,6 +30,10 @@ BEHAVIOUR_VERSION = "staleness/behaviour_version"  # the oldest policy version t
 # the policy version that generated it.
 NEWEST_REWARD, NEWEST_VERSION = "rollout/newest_reward_mean", "staleness/newest_version"
 GENERATED_TOKENS = "rollout/generated_tokens"  # the tokens the engines sampled in the step
+STEP_SECONDS = "time/step"  # the step's wall time
+VERSION = "optim/version"  # the policy version after the step's updates
+CLIP_FRAC = "loss/clip_frac"  # the share of trained tokens the loss clipped or masked
+ABS_LOG_RATIO = "loss/abs_log_ratio_mean"  # the mean |log r| of the trained tokens
 
 
 class RunDirError(UserError):

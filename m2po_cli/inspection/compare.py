@@ -36,7 +36,17 @@ from pathlib import Path
 from m2po_cli import run_dir
 from m2po_cli.config import Recipe
 from m2po_cli.errors import UserError
-from m2po_cli.run_dir import BEHAVIOUR_VERSION, GENERATED_TOKENS, NEWEST_REWARD, NEWEST_VERSION, REWARD
+from m2po_cli.run_dir import (
+    ABS_LOG_RATIO,
+    BEHAVIOUR_VERSION,
+    CLIP_FRAC,
+    GENERATED_TOKENS,
+    NEWEST_REWARD,
+    NEWEST_VERSION,
+    REWARD,
+    STEP_SECONDS,
+    VERSION,
+)
 
 # What a run's recipe may differ in and still be a seed of the same arm.
 NOT_THE_ARM = {"run": ("seed", "name", "output_dir"), "logging": None, "checkpoint": None, "inspect": None}
@@ -172,14 +182,14 @@ def summary(run: Run, versions: tuple[int, int] | None = None) -> dict:
         "staleness": run.staleness,
         "seed": run.seed,
         "steps": n,
-        "updates": int(run.steps[-1].get("optim/version", n)),
+        "updates": int(run.steps[-1].get(VERSION, n)),
         "reward_first": _mean(reward[:fifth]),
         "reward_last": _mean(reward[-fifth:]),
         "reward_peak": max(_mean(reward[i : i + w]) for i in range(n - w + 1)),
         "reward_versions": _mean(at_versions),
-        "acted": over_steps("loss/clip_frac"),
-        "abs_log_ratio": over_steps("loss/abs_log_ratio_mean"),
-        "seconds_per_step": over_steps("time/step"),
+        "acted": over_steps(CLIP_FRAC),
+        "abs_log_ratio": over_steps(ABS_LOG_RATIO),
+        "seconds_per_step": over_steps(STEP_SECONDS),
         "tokens": _total(run, "tokens"),
         "seconds": _total(run, "seconds"),
     }
@@ -272,14 +282,14 @@ X_AXES = {
     "tokens": "generated tokens",
     "seconds": "wall seconds",
 }
-SPENT = {"tokens": GENERATED_TOKENS, "seconds": "time/step"}  # summed over the steps
+SPENT = {"tokens": GENERATED_TOKENS, "seconds": STEP_SECONDS}  # summed over the steps
 
 
 def spent(run: Run, x: str) -> list[float] | None:
     """What the run has spent after each step on the x-axis `x`: updates done (`optim/version`), or
     the generated tokens or wall seconds of the steps so far; None if a step does not log them."""
     if x == "updates":
-        return [float(s.get("optim/version", i + 1)) for i, s in enumerate(run.steps)]
+        return [float(s.get(VERSION, i + 1)) for i, s in enumerate(run.steps)]
     key = SPENT[x]
     if not all(key in s for s in run.steps):
         return None
@@ -299,8 +309,7 @@ def series(run: Run, key: str, x: str = "updates") -> list[tuple[float, float]] 
             return None
         if x != "updates":  # version v is reached after the step whose optim/version is v
             reached = {0.0: 0.0} | {
-                float(s.get("optim/version", i + 1)): c
-                for i, (s, c) in enumerate(zip(run.steps, costs, strict=True))
+                float(s.get(VERSION, i + 1)): c for i, (s, c) in enumerate(zip(run.steps, costs, strict=True))
             }
             known = sorted(reached)
             at = lambda v: reached[known[bisect.bisect_right(known, v) - 1]]  # noqa: E731

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from m2po_cli.inspection.compare import POLICY, X_AXES, Run, curves, group, series
-from m2po_cli.run_dir import REWARD
+from m2po_cli.run_dir import CLIP_FRAC, REWARD
 
 FIGURES = {  # name: (series key, title, y label, scale); the x-axis names what each is drawn against
     "reward": (REWARD, "reward of the trained batches", "reward (mean over the batch)", 1.0),
-    "clipped_or_masked": ("loss/clip_frac", "clipped or masked share", "tokens clipped or masked (%)", 100.0),
+    "clipped_or_masked": (CLIP_FRAC, "clipped or masked share", "tokens clipped or masked (%)", 100.0),
     "policy_reward": (
         POLICY,
         "reward of each policy version's samples",

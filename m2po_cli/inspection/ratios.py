@@ -21,6 +21,7 @@ from m2po_cli.config.loss import GRPOLoss, GSPOLoss, LossConfig, M2POCapLoss, M2
 from m2po_cli.loss import build_loss
 from m2po_cli.loss_metrics import ratio_quantiles
 from m2po_cli.record import Records
+from m2po_cli.run_dir import CLIP_FRAC
 
 WHAT_IF: tuple[LossConfig, ...] = (
     GRPOLoss(eps_low=0.2, eps_high=0.2),
@@ -158,7 +159,7 @@ def _apply(loss, logprobs_BT, behaviour_BT, advantages_BT, mask_BT, rows_B) -> t
     value, metrics = loss(logprobs_BT, behaviour_BT, advantages_BT, mask_f_BT, aux_BT, num_tokens)
     (grad_BT,) = torch.autograd.grad(value, logprobs_BT)
     acted_BT = mask_BT & (advantages_BT != 0) & (grad_BT == 0)
-    num_acted = round(float(metrics["loss/clip_frac"]) * max(num_tokens, 1))
+    num_acted = round(float(metrics[CLIP_FRAC]) * max(num_tokens, 1))
     assert int(acted_BT.sum()) == num_acted, (int(acted_BT.sum()), num_acted)
     positive_BT = acted_BT & (advantages_BT > 0)
     out = {
@@ -279,7 +280,7 @@ def entropy_by_ratio(tokens: Tokens) -> list[dict]:
 
 def _as_trained(records: Records, run_loss: LossConfig) -> dict | None:
     """The run's own loss on the whole batch of each recorded update, as training logged it."""
-    logged = [(u["loss/clip_frac"], u["loss/num_tokens"]) for u in records.updates if "loss/clip_frac" in u]
+    logged = [(u[CLIP_FRAC], u["loss/num_tokens"]) for u in records.updates if CLIP_FRAC in u]
     total = sum(n for _, n in logged)
     if not total:
         return None

