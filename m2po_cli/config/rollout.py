@@ -41,7 +41,12 @@ class RolloutConfig(EngineTable):
     servers: list[str] = field(
         [], "Separate mode: URLs of `vllm serve` instances already running; empty starts num_engines here."
     )
-    num_engines: int = field(1, "Separate mode: `vllm serve` processes the run starts.", ge=1)
+    num_engines: int = field(
+        1,
+        "Separate mode: `vllm serve` processes the run starts, on rank 0's node; on GPUs, each takes "
+        "tensor_parallel_size GPUs after those of the node's learner ranks.",
+        ge=1,
+    )
     weight_transport: Literal["auto", "nccl", "shm"] = field(
         "auto",
         "Separate mode: how weights reach the engines. nccl: vLLM's NCCL weight-transfer engine (GPUs); "

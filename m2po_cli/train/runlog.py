@@ -150,9 +150,7 @@ class RunLog:
         if self.progress is not None:
             self.progress.update(self.task, completed=step + 1, reward=metrics[REWARD], extra=extra)
         else:
-            self.message(
-                f"step {step + 1}/{self.recipe.run.steps} reward {metrics[REWARD]:.3f} {extra}"
-            )
+            self.message(f"step {step + 1}/{self.recipe.run.steps} reward {metrics[REWARD]:.3f} {extra}")
 
     @staticmethod
     def _headline(m: dict[str, float]) -> str:

@@ -32,6 +32,7 @@ from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, reso
 from m2po_cli.rollout.types import Finished, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
+from m2po_cli.torchrun import launch
 from m2po_cli.train.packed import PackedRollouts, distribute, grade_and_pack
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 
@@ -88,7 +89,7 @@ class SeparateSource:
                 f"regenerating {len(carried['in_flight'])} prompts that were in flight (partial responses are not kept)"
             )
         forget_steps_from(self.run_dir / TRAINED_LOG, loop["step"])
-        servers = start_servers(recipe, model_dir, self.run_dir, self.learner.world, log.message)
+        servers = start_servers(recipe, model_dir, self.run_dir, log.message)
         for server in servers:
             self._stack.callback(server.close)
         self.grader = self._stack.enter_context(
@@ -174,12 +175,13 @@ def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer |
 
 
 def start_servers(
-    recipe: Recipe, model_dir: Path, run_dir: Path, world: int, say: Callable[[str], None]
+    recipe: Recipe, model_dir: Path, run_dir: Path, say: Callable[[str], None]
 ) -> list[EngineServer]:
     """Attach to `rollout.servers`, or start `num_engines` servers beside the learner; `say` tells
     the user what the run is waiting for.
 
-    On GPUs, started engines take the devices after the learner's `world` ranks, in order."""
+    On GPUs, started engines take the devices of this node after its learner ranks', in order
+    (`engine_devices`)."""
     cfg = recipe.rollout
     signature = model_signature(AutoConfig.from_pretrained(str(model_dir)).to_dict())
     if cfg.servers:
@@ -197,9 +199,10 @@ def start_servers(
         for i in range(cfg.num_engines):
             dtype = resolve_dtype(recipe.model.dtype)
             log_path = run_dir / f"engine-{i}.log"
-            devices = (
-                _engine_devices(i, cfg.tensor_parallel_size, world) if torch.cuda.is_available() else None
-            )
+            devices = None
+            if torch.cuda.is_available():
+                tp, local = cfg.tensor_parallel_size, launch().local_world
+                devices = engine_devices(i, tp, local, torch.cuda.device_count())
             servers.append(EngineServer.start(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
             servers[-1].check(signature, recipe.max_model_len)
     except BaseException:
@@ -234,12 +237,15 @@ def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group])
         f.write(json.dumps(record) + "\n")
 
 
-def _engine_devices(index: int, tensor_parallel_size: int, world: int) -> list[int]:
-    first = world + index * tensor_parallel_size
+def engine_devices(index: int, tensor_parallel_size: int, local_world: int, num_gpus: int) -> list[int]:
+    """The GPUs of started engine `index` on the node of rank 0: after the node's `local_world`
+    learner ranks (GPUs 0..local_world - 1, whatever the number of nodes), `tensor_parallel_size`
+    each. Raises ValueError naming the GPUs needed when the node's `num_gpus` are too few."""
+    first = local_world + index * tensor_parallel_size
     needed = first + tensor_parallel_size
-    if needed > torch.cuda.device_count():
+    if needed > num_gpus:
         raise ValueError(
-            f"rollout.num_engines x rollout.tensor_parallel_size needs GPUs {world}..{needed - 1} beside the "
-            f"learner's {world}, but this node has {torch.cuda.device_count()}"
+            f"rollout.num_engines x rollout.tensor_parallel_size needs GPUs {local_world}..{needed - 1} beside "
+            f"the {local_world} of this node's learner ranks, but this node has {num_gpus}"
         )
     return list(range(first, needed))

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from m2po_cli.train.separate import engine_devices
+
 pytestmark = pytest.mark.slow
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
@@ -218,3 +220,20 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_nothing_in_shared_memory(t
     assert run.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     assert not list(shm_root().glob(f"{PREFIX}*-pid{run.pid}-*")), "the run left its weights in shared memory"
     assert gone(engine), "a process of the run's server is still running"
+
+
+@pytest.mark.parametrize(
+    "index, tp, local_world, expected",
+    [(0, 1, 4, [4]), (3, 1, 4, [7]), (1, 2, 4, [6, 7]), (0, 1, 6, [6])],
+)
+def test_started_engines_take_the_gpus_after_this_nodes_learner_ranks(index, tp, local_world, expected):
+    """Engine devices come from the node's own ranks, not the world's: 2 nodes of 4 learner ranks on
+    8-GPU nodes put the engines on GPUs 4-7 of rank 0's node (the world size, 8, asked for GPU 8+)."""
+    assert engine_devices(index, tp, local_world, num_gpus=8) == expected
+
+
+def test_engines_that_do_not_fit_beside_the_nodes_learner_ranks_are_named():
+    with pytest.raises(
+        ValueError, match=r"needs GPUs 4\.\.8 beside the 4 of this node's learner ranks, but this node has 8"
+    ):
+        engine_devices(4, 1, 4, num_gpus=8)
