@@ -73,10 +73,15 @@ class PackedRollouts:
     trained_R: Tensor = column(RESPONSE, torch.bool)  # the loss trains the token
     meta: dict[str, float] = field(default_factory=dict)  # the batch's timings (slowest engine's)
 
-    @classmethod
-    def columns(cls, axis: str | None = None) -> list[str]:
-        """The names of the tensor fields along `axis` (all of them: None), in declaration order."""
-        return [f.name for f in fields(cls) if "axis" in f.metadata and axis in (None, f.metadata["axis"])]
+    @staticmethod
+    def columns(axis: str | None = None, optional: bool | None = None) -> list[str]:
+        """The names of the tensor fields along `axis` (any: None), optional or not (either: None),
+        in declaration order."""
+        return [
+            name
+            for name, spec in COLUMNS.items()
+            if axis in (None, spec["axis"]) and optional in (None, spec["optional"])
+        ]
 
     @property
     def num_rows(self) -> int:
@@ -125,12 +130,12 @@ class PackedRollouts:
             TOKEN: _segments(self.offsets_B1[index_K], lengths_K),
             RESPONSE: self.response_index(index_K),
         }
-        taken = {}
-        for f in fields(self):
-            if "axis" in f.metadata:
-                t = getattr(self, f.name)
-                kept = not f.metadata["optional"] or self.has(f.name)
-                taken[f.name] = t[along[f.metadata["axis"]]] if kept else self._empty(f.name)
+        taken = {
+            name: getattr(self, name)[along[spec["axis"]]]
+            if not spec["optional"] or self.has(name)
+            else _empty(name)
+            for name, spec in COLUMNS.items()
+        }
         return replace(self, **taken, offsets_B1=_offsets(lengths_K), meta=dict(self.meta))
 
     @classmethod
@@ -140,7 +145,7 @@ class PackedRollouts:
         joined = {
             name: torch.cat([getattr(p, name) for p in parts])
             if all(p.has(name) for p in parts)
-            else cls._empty(name)
+            else _empty(name)
             for name in cls.columns()
             if name != "row_B"
         }
@@ -153,7 +158,7 @@ class PackedRollouts:
 
     def has(self, name: str) -> bool:
         """Whether the field `name` holds a value for each of its positions (an optional one may not)."""
-        axis = next(f.metadata["axis"] for f in fields(self) if f.name == name)
+        axis = COLUMNS[name]["axis"]
         size = {ROW: self.num_rows, TOKEN: self.tokens_N.numel(), RESPONSE: int(self.response_len_B.sum())}
         return getattr(self, name).numel() == size[axis]
 
@@ -212,18 +217,18 @@ class PackedRollouts:
             tensors = {**tensors, "trained_R": torch.ones(int(responses_B.sum()), dtype=torch.bool)}
         return cls(version=version, meta=meta, **tensors)
 
-    @staticmethod
-    def _empty(name: str) -> Tensor:
-        return torch.zeros(
-            0, dtype=next(f for f in fields(PackedRollouts) if f.name == name).metadata["dtype"]
-        )
-
     @classmethod
     def empty(cls, version: int) -> PackedRollouts:
         """No rows: what a rank that generated nothing contributes to `distribute`."""
-        return cls(
-            version, offsets_B1=torch.zeros(1, dtype=torch.long), **{n: cls._empty(n) for n in cls.columns()}
-        )
+        return cls(version, offsets_B1=torch.zeros(1, dtype=torch.long), **{n: _empty(n) for n in COLUMNS})
+
+
+# Each tensor field's declaration (`column`): its axis, dtype and whether it may be empty.
+COLUMNS = {f.name: f.metadata for f in fields(PackedRollouts) if "axis" in f.metadata}
+
+
+def _empty(name: str) -> Tensor:
+    return torch.zeros(0, dtype=COLUMNS[name]["dtype"])
 
 
 def _offsets(lengths_B: Tensor) -> Tensor:
@@ -261,7 +266,7 @@ def pack_groups(
         offsets_B1=_offsets(lengths),
         prompt_len_B=torch.tensor([len(p) for p, _ in samples], dtype=torch.long),
         behaviour_R=torch.tensor([x for _, c in samples for x in c.logprobs], dtype=torch.float32),
-        learner_R=PackedRollouts._empty("learner_R"),
+        learner_R=_empty("learner_R"),
         advantages_B=advantages_PG.flatten().float(),
         rewards_B=rewards_PG.flatten().float().clone(),
         finished_B=torch.tensor([c.finished for _, c in samples], dtype=torch.bool),
@@ -328,7 +333,8 @@ def distribute(
     (`transfer_device`). Rows are distributed before the learner scores them, so the optional
     fields (`learner_R`) do not travel.
     """
-    assert not any(getattr(pack, n).numel() for n in _optional()), "distribute rows before scoring them"
+    optional = PackedRollouts.columns(optional=True)
+    assert not any(getattr(pack, n).numel() for n in optional), "distribute rows before scoring them"
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return pack
@@ -352,7 +358,7 @@ def distribute(
         axis: (to.tolist(), came.tolist())
         for axis, to, came in zip((ROW, TOKEN, RESPONSE), counts_to, counts_from, strict=True)
     }
-    travelling = {axis: [n for n in PackedRollouts.columns(axis) if n not in _optional()] for axis in sizes}
+    travelling = {axis: PackedRollouts.columns(axis, optional=False) for axis in sizes}
     travelling[ROW] = ["lengths_B", *travelling[ROW]]
     received: dict[str, Tensor] = {}
     for axis, names in travelling.items():
@@ -364,14 +370,10 @@ def distribute(
         version=pack.version,
         offsets_B1=_offsets(lengths_B),
         **received,
-        **{n: PackedRollouts._empty(n) for n in _optional()},
+        **{n: _empty(n) for n in PackedRollouts.columns(optional=True)},
         meta=dict(pack.meta),
     )
     return rows.take(torch.sort(rows.row_B).indices)
-
-
-def _optional() -> list[str]:
-    return [f.name for f in fields(PackedRollouts) if f.metadata.get("optional")]
 
 
 def _as_bytes(values: list[Tensor]) -> Tensor:

@@ -143,8 +143,6 @@ class ReplayBuffer:
     def __init__(self, recipe: Recipe):
         self.cfg: ReuseConfig = recipe.reuse
         self.schedule, self.seed = Schedule.of(recipe), recipe.run.seed
-        self.n, self.per_step = recipe.rollout.n, recipe.rollout.prompts_per_step
-        self.per_update = recipe.prompts_per_update
         self.entries: deque[Entry] = deque(maxlen=self.cfg.buffer)
 
     @property
@@ -159,10 +157,10 @@ class ReplayBuffer:
     def push(self, batch: PackedRollouts, step: int) -> None:
         """Keep this rank's rows of the batch step `step` trained (after its updates); the oldest batch
         leaves a full buffer. A collective: the group table is reduced over the ranks."""
-        group_B = batch.row_B // self.n
-        version_G = torch.full((self.per_step,), NO_VERSION, dtype=torch.long)
+        group_B = batch.row_B // self.schedule.n
+        version_G = torch.full((self.schedule.prompts_per_step,), NO_VERSION, dtype=torch.long)
         version_G.scatter_reduce_(0, group_B, batch.version_B, reduce="amin")
-        sums_G2 = torch.zeros(self.per_step, 2, dtype=torch.float64)
+        sums_G2 = torch.zeros(self.schedule.prompts_per_step, 2, dtype=torch.float64)
         sums_G2[:, 0].index_add_(0, group_B, batch.advantages_B.double().abs())
         sums_G2[:, 1].index_add_(0, group_B, torch.ones(batch.num_rows, dtype=torch.float64))
         version_G = all_reduce(version_G, dist.ReduceOp.MIN)
@@ -176,12 +174,12 @@ class ReplayBuffer:
         pairs = [
             (e, g)
             for e, entry in enumerate(self.entries)
-            for g in range(self.per_step)
+            for g in range(self.schedule.prompts_per_step)
             if entry.version_G[g] != NO_VERSION and version - int(entry.version_G[g]) <= self.cfg.max_age
         ]
         if self.cfg.rule == "advantage":
             pairs = [(e, g) for e, g in pairs if float(self.entries[e].weight_G[g]) > 0]
-        want = min(len(pairs), round(self.cfg.replay * self.per_update))
+        want = min(len(pairs), round(self.cfg.replay * self.schedule.prompts_per_update))
         if not want:
             return []
         generator = torch.Generator().manual_seed(draw_seed(self.seed, step, update))
@@ -199,15 +197,19 @@ class ReplayBuffer:
         """This rank's rows for the step: the fresh batch's mini-batches, each with the groups its
         update draws. Replayed group j of the step takes row numbers (P + j) * n + sample."""
         updates = self.schedule.updates(fresh.row_B)
-        parts, split_parts, slot = [fresh], [torch.zeros(fresh.num_rows, dtype=torch.long)], self.per_step
+        parts, split_parts, slot = (
+            [fresh],
+            [torch.zeros(fresh.num_rows, dtype=torch.long)],
+            self.schedule.prompts_per_step,
+        )
         offset = fresh.num_rows
         for u in range(len(updates)):
             mine = []
             for e, g in self.draw(step, u, version + u):
                 entry = self.entries[e]
-                index = ((entry.rows.row_B // self.n) == g).nonzero().squeeze(1)
+                index = ((entry.rows.row_B // self.schedule.n) == g).nonzero().squeeze(1)
                 rows = entry.rows.take(index)
-                rows.row_B = slot * self.n + rows.row_B % self.n
+                rows.row_B = slot * self.schedule.n + rows.row_B % self.schedule.n
                 parts.append(rows)
                 split_parts.append(age_bucket(version + u - rows.version_B))  # ages >= 1
                 mine.append(torch.arange(offset, offset + rows.num_rows))
