@@ -164,6 +164,7 @@ def python_bytes(build) -> int:
 
 
 def fifo_and_checkpoint(report) -> None:
+    from m2po_cli.rollout.episode import one_turn
     from m2po_cli.train.fifo import StalenessQueue
     from m2po_cli.train.packed import pack_groups
 
@@ -177,7 +178,7 @@ def fifo_and_checkpoint(report) -> None:
         return pickle.loads(blob)
 
     old_bytes = python_bytes(old_with_python_ints)
-    pack = pack_groups(0, 0, prompt_ids, groups, rewards_PG, True, 1e-6)
+    pack = pack_groups(0, 0, prompt_ids, one_turn(groups), rewards_PG, True, 1e-6)
     old_per_token, new_per_token = old_bytes / response_tokens, pack.num_bytes / response_tokens
     report.row("FIFO bytes per response token, one batch", old_per_token, new_per_token, "B")
     p = PAPER
@@ -191,7 +192,7 @@ def fifo_and_checkpoint(report) -> None:
     old_queue = [old_with_python_ints() for _ in range(queue_batches)]
     queue = StalenessQueue(queue_batches)
     for _ in range(queue_batches):
-        queue.push(pack_groups(0, 0, prompt_ids, groups, rewards_PG, True, 1e-6))
+        queue.push(pack_groups(0, 0, prompt_ids, one_turn(groups), rewards_PG, True, 1e-6))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         t0 = time.perf_counter()
@@ -257,6 +258,7 @@ def passes_and_timing(report, args) -> None:
     from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.models import resolve_model
+    from m2po_cli.rollout.episode import one_turn
     from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
     from m2po_cli.train.packed import pack_groups
 
@@ -272,7 +274,7 @@ def passes_and_timing(report, args) -> None:
         learner = Learner(resolve_model(recipe.model.path), recipe)
     vocab = learner.arch.hf_config["vocab_size"]
     prompt_ids, groups, rewards_PG = synthetic_groups(args.rows // 4, 4, args.max_response, vocab, seed=1)
-    pack = pack_groups(0, 0, prompt_ids, groups, rewards_PG, True, 1e-6)
+    pack = pack_groups(0, 0, prompt_ids, one_turn(groups), rewards_PG, True, 1e-6)
     batch = pack.to_batch(torch.arange(pack.num_rows))
     current_BL, _ = learner.score(batch)
     num_tokens = int(batch.mask_BL.sum())

@@ -324,6 +324,7 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     from m2po_cli.learner.policy import Learner
     from m2po_cli.loss import build_loss
     from m2po_cli.record import Recorder
+    from m2po_cli.rollout.episode import one_turn
     from m2po_cli.rollout.types import Completion
     from m2po_cli.schedule import Schedule
     from m2po_cli.train.colocated import score_at_behaviour_version
@@ -346,7 +347,7 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
             for _ in prompts
         ]
         rewards_PG = (torch.arange(n) % 2).float().repeat(len(prompts), 1)
-        batch = pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
+        batch = pack_groups(0, 0, prompts, one_turn(groups), rewards_PG, normalize_std=True, std_eps=1e-6)
         score_at_behaviour_version(batch, learner, everything=True, group_size=n)
         recorder = Recorder(Path(out), InspectConfig(every=0), 0, learner.rank, learner.world)
         loss_fn = build_loss(recipe.loss)

@@ -75,8 +75,9 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     from m2po_cli.loss import build_loss
     from m2po_cli.models import load_tokenizer, resolve_model
     from m2po_cli.record import Recorder
+    from m2po_cli.rollout.episode import Episodes
     from m2po_cli.schedule import Schedule
-    from m2po_cli.train.colocated import build_engine, rollout
+    from m2po_cli.train.colocated import Sampler, build_engine, rollout
     from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.updates import train_on
 
@@ -96,7 +97,8 @@ def m2po_side(seed: int, tmp: Path, overrides: list[str] = ()) -> dict:
     engine = build_engine(model_dir, recipe, learner.world, None)
     with recipe_grader(recipe, 1) as grader:
         for index in range(MAX_TRIES):  # the first rollout step whose batch has a gradient at all
-            batch = rollout(engine, grader, prompts, learner, recipe, recorder, index)
+            sampler = Sampler(engine, grader, Episodes.one_turn(recipe))
+            batch = rollout(sampler, prompts, learner, recipe, recorder, index)
             if bool(batch.advantages_B.ne(0).any()):
                 break
         else:

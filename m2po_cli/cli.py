@@ -44,8 +44,10 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         for note in notes:
             click.echo(note, err=True)
         # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
-        columns = bool(resolved.reward.function)  # a reward function reads the rows' other fields
+        columns = resolved.reads_columns
         problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data, columns)
+        if resolved.env.name:
+            _check_env(resolved, dry_run)
     except UserError as e:
         _fail(str(e))
     if dry_run:
@@ -64,6 +66,26 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         run_training(resolved, problems)
     except UserError as e:
         _fail(str(e))
+
+
+def _check_env(recipe, dry_run: bool) -> None:
+    """The environment class, before anything heavy; on a dry run also the chat template's turns
+    when the model is on this machine (a run checks them at start, `rollout.episode.build_episodes`)."""
+    from m2po_cli.environment import load_environment
+    from m2po_cli.models import load_tokenizer, present_dir
+
+    load_environment(recipe.env.name)
+    if not dry_run:
+        return
+    model_dir = present_dir(recipe.model.path)
+    if model_dir is None:
+        click.echo(
+            f"{recipe.model.path} is not on this machine yet: its chat template is checked at start", err=True
+        )
+        return
+    from m2po_cli.rollout.episode import build_episodes
+
+    build_episodes(recipe, load_tokenizer(model_dir), model_dir)
 
 
 @main.command()

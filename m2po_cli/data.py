@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,11 +161,22 @@ def _to_problem(i: int, record: Any, cfg: DataConfig, columns: bool) -> Problem:
 # --- prompts -------------------------------------------------------------------------------------
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, template: str, problem: str) -> list[int]:
-    """`template.format(problem=...)` as one user turn through the chat template -> token ids."""
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    problem: str,
+    opening: Sequence[dict] = (),
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """`template.format(problem=...)` as one user turn through the chat template -> token ids. An
+    environment's `opening` messages follow it, and its `tools` go to the template."""
     content = template.format(problem=problem)
     encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True
+        [{"role": "user", "content": content}, *opening],
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
     )
     # transformers 5 returns a BatchEncoding; ask for the dict form explicitly and take the ids.
     ids = list(encoded["input_ids"])
@@ -189,6 +200,8 @@ class PromptBatches:
         tokenizer: PreTrainedTokenizerBase,
         cfg: DataConfig,
         prompts_per_step: int,
+        opening: Callable[[Problem], list[dict]] | None = None,
+        tools: list[dict] | None = None,
     ):
         if len(problems) < prompts_per_step:
             raise DataError(
@@ -196,6 +209,7 @@ class PromptBatches:
             )
         self.problems, self.tokenizer, self.cfg = problems, tokenizer, cfg
         self.prompts_per_step = prompts_per_step
+        self.opening, self.tools = opening, tools  # an environment's first messages and tools
         self.epoch = self.position = 0
         self._too_long: set[int] = set()  # indices into `problems`
         self._order_epoch, self._order = -1, []
@@ -255,7 +269,8 @@ class PromptBatches:
         if i in self._too_long:
             return None
         problem = self.problems[i]
-        ids = encode_prompt(self.tokenizer, self.cfg.prompt_template, problem.problem)
+        opening = self.opening(problem) if self.opening is not None else ()
+        ids = encode_prompt(self.tokenizer, self.cfg.prompt_template, problem.problem, opening, self.tools)
         if len(ids) > self.cfg.max_prompt_tokens:
             self._too_long.add(i)
             return None

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from m2po_cli.torchrun import launch
 
@@ -109,3 +110,26 @@ def sum_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     keys = sorted(values)
     flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
     return dict(zip(keys, all_reduce(flat, dist.ReduceOp.SUM), strict=True))
+
+
+def as_bytes(values: list[Tensor]) -> Tensor:
+    """Tensors of one length as the columns of one `[length, bytes]` uint8 tensor."""
+    n = values[0].shape[0]
+    return torch.cat([v.contiguous().view(torch.uint8).view(n, v.element_size()) for v in values], dim=1)
+
+
+def from_bytes(data: Tensor, names: list[str], dtypes: list[torch.dtype]) -> dict[str, Tensor]:
+    """The tensors `as_bytes` joined, back by name."""
+    out, start = {}, 0
+    for name, dtype in zip(names, dtypes, strict=True):
+        width = torch.empty(0, dtype=dtype).element_size()
+        out[name] = data[:, start : start + width].contiguous().view(dtype).view(-1)
+        start += width
+    return out
+
+
+def all_to_all_rows(x: Tensor, send: list[int], receive: list[int], group, device) -> Tensor:
+    """Rows of `x` split by `send` to each rank; `receive[r]` rows come back from rank r."""
+    out = x.new_empty((sum(receive), *x.shape[1:]), device=device)
+    dist.all_to_all_single(out, x.to(device) if device else x, receive, send, group=group)
+    return out.cpu()

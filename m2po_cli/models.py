@@ -109,6 +109,17 @@ def resolve_model(path: str, say: Callable[[str], None] | None = None) -> Path:
     return _download(path)
 
 
+def present_dir(path: str) -> Path | None:
+    """The model folder of `path` when it is already on this machine (a local folder, a builtin
+    built before); None where `resolve_model` would build or download it. Builds nothing."""
+    source = model_source(path)
+    if source == "local":
+        return Path(path).expanduser()
+    if source == "builtin" and _usable(builtin_dir(path)):
+        return builtin_dir(path)
+    return None
+
+
 def _download(hub_id: str) -> Path:
     from huggingface_hub import snapshot_download
 

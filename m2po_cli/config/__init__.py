@@ -2,7 +2,7 @@
 
 `tables` (the loader and TOML output, shared with eval's configs: defaults < file < `--set`, one-line
 errors), `data` (`[model]`, `[data]`, `[reward]`), `rollout` (`[rollout]`, `[staleness]`, `[reuse]`),
-`learner` (`[train]`, `[parallel]`, `[optim]`), `loss` (`[algorithm]`, `[loss]`), `recipe` (the
+`learner` (`[train]`, `[parallel]`, `[optim]`), `loss` (`[algorithm]`, `[loss]`), `env` (`[env]`), `recipe` (the
 whole recipe, its checks across tables and the facts derived from them) and `docs`
 (`docs/recipes.md`). Every field carries a one-line description; the same text feeds the docs and
 `--help`. Nothing here imports torch or vllm, so `--dry-run` and validation errors are fast.
@@ -17,6 +17,7 @@ from m2po_cli.config.data import (
     SyntheticConfig,
     check_template,
 )
+from m2po_cli.config.env import BUILTIN_ENVS, EnvConfig
 from m2po_cli.config.learner import OptimConfig, ParallelConfig, TrainConfig
 from m2po_cli.config.loss import AlgorithmConfig, LossConfig
 from m2po_cli.config.recipe import (
@@ -33,11 +34,13 @@ from m2po_cli.config.tables import ConfigError, Table, field
 __all__ = [
     "PAPER_PROMPT_TEMPLATE",
     "SYNTHETIC_SOURCES",
+    "BUILTIN_ENVS",
     "AlgorithmConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "EngineTable",
+    "EnvConfig",
     "InspectConfig",
     "LoggingConfig",
     "LossConfig",

@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from m2po_cli.config.data import DataConfig, ModelConfig, RewardConfig
+from m2po_cli.config.env import EnvConfig
 from m2po_cli.config.learner import OptimConfig, ParallelConfig, TrainConfig
 from m2po_cli.config.loss import LOSS_KEYS, AlgorithmConfig, LossConfig, M2POLoss
 from m2po_cli.config.rollout import ReuseConfig, RolloutConfig, StalenessConfig
@@ -85,6 +86,7 @@ class Recipe(Table):
     rollout: RolloutConfig = field(RolloutConfig(), "Rollout engine.")
     algorithm: AlgorithmConfig = field(AlgorithmConfig(), "Advantage estimation.")
     reward: RewardConfig = field(RewardConfig(), "What scores a response: the math grader or a function.")
+    env: EnvConfig = field(EnvConfig(), "The environment of multi-turn episodes: tools, feedback, limits.")
     loss: LossConfig = field(M2POLoss(), "Policy loss; `type` selects the loss.")
     train: TrainConfig = field(TrainConfig(), "Batching of the learner.")
     parallel: ParallelConfig = field(
@@ -162,8 +164,15 @@ class Recipe(Table):
 
     @property
     def max_model_len(self) -> int:
-        """The longest sequence an engine holds: the longest prompt plus the longest response."""
-        return self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        """The longest sequence an engine holds: the longest prompt plus the longest response (an
+        episode's turns and environment messages together)."""
+        return self.data.max_prompt_tokens + self.env.episode_tokens(self.rollout.max_new_tokens)
+
+    @property
+    def reads_columns(self) -> bool:
+        """Whether the prompt set keeps each record's other fields: a reward function or an
+        environment reads them."""
+        return bool(self.reward.function or self.env.name)
 
     @property
     def staleness_bound(self) -> int:

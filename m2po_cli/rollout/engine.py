@@ -29,10 +29,13 @@ class RolloutEngine(Protocol):
     dtype: torch.dtype  # pushed weights arrive in this dtype
     free_at_wake: dict[str, int]  # GPU: device bytes free right after the last wake, by vLLM tag
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], max_tokens: list[int] | None = None
+    ) -> list[list[Completion]]:
         """Sample `n` completions for each tokenized prompt, each prompt with its own seed
         (`settings.request_seed`); the same seed, weights and prompt give the same completions,
-        whatever else is in the batch."""
+        whatever else is in the batch. With `max_tokens` (an episode's later turns): one completion
+        of each prompt, of at most its number of tokens."""
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the policy with `weights` (HF names, full tensors, streamed); later samples use it."""
@@ -148,17 +151,22 @@ class VLLMEngine:
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], seeds: list[int], max_tokens: list[int] | None = None
+    ) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
 
         if self.asleep:
             raise RuntimeError("generate: the engine is asleep; push the weights first (push_weights)")
-        params = [SamplingParams(**rollout_sampling(self.cfg, seed)) for seed in seeds]
+        limits = max_tokens or [None] * len(seeds)
+        params = [
+            SamplingParams(**rollout_sampling(self.cfg, seed, limit))
+            for seed, limit in zip(seeds, limits, strict=True)
+        ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        groups = [[_completion(c, self.version) for c in out.outputs] for out in outputs]
-        return groups
+        return [[_completion(c, self.version, out.prompt_token_ids) for c in out.outputs] for out in outputs]
 
     def sleep(self) -> None:
         """Free the engine's device memory for training (GPU; level 2 also drops the weights)."""
@@ -197,7 +205,7 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _completion(c, version: int) -> Completion:
+def _completion(c, version: int, prompt_ids: list[int]) -> Completion:
     # Every token must come from the weights the engine was last given (no push mid-generation).
     spans = {span.version for span in c.weight_versions or []}
     if spans - {str(version)}:
@@ -207,4 +215,5 @@ def _completion(c, version: int) -> Completion:
         logprobs=[entry[tok].logprob for entry, tok in zip(c.logprobs, c.token_ids, strict=True)],
         text=c.text,
         finished=is_finished(c.finish_reason),
+        prompt_ids=prompt_ids,
     )

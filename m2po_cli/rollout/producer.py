@@ -2,7 +2,8 @@
 
 A background thread runs an asyncio loop that sends one generate request per prompt (its `n`
 samples) to the servers, as many at a time as admission and each server's concurrency allow;
-continuous batching in the engine does the rest. A second thread settles finished groups as they
+continuous batching in the engine does the rest. With an environment, each episode's later turns
+follow on the same server, one request each (`episode.play_episodes`). A second thread settles finished groups as they
 arrive (the caller's `settle`: grading and packing into tensors), off the learner's critical path;
 settled groups wait in a buffer until the learner takes a step's worth.
 
@@ -32,14 +33,14 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from m2po_cli.config import RolloutConfig
+from m2po_cli.config import EnvConfig, RolloutConfig
 from m2po_cli.data import Prompt, PromptBatches
+from m2po_cli.errors import UserError
+from m2po_cli.rollout.episode import Episode, Episodes, play_episodes
 from m2po_cli.rollout.idle import IdleClock
 from m2po_cli.rollout.server import (
     EXIT_GRACE_S,
@@ -47,28 +48,15 @@ from m2po_cli.rollout.server import (
     EngineError,
     EngineServer,
     Load,
-    generate,
-    sampling_body,
+    server_sampler,
     swap_weights,
 )
 from m2po_cli.rollout.settings import request_seed
-from m2po_cli.rollout.types import Completion, Finished, Request, Ticket
+from m2po_cli.rollout.types import Finished, Group, Request, Settle, Ticket
 from m2po_cli.run_dir import GENERATED_TOKENS
 from m2po_cli.schedule import Schedule
 
-Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each
 MAX_FAILURES = 8  # requests in a row that may get no answer before the run stops
-
-
-@dataclass
-class Group:
-    """The `n` samples of one prompt, submitted at weight `version`, settled into `rows`."""
-
-    epoch: int  # the data epoch the prompt was drawn in
-    prompt: Prompt
-    rows: Any  # what `settle` made of the completions (the completions themselves without one)
-    version: int
-    index: int  # admission order: the learner trains groups in it
 
 
 class RolloutProducer:
@@ -86,6 +74,7 @@ class RolloutProducer:
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
         run_seed: int = 0,
+        episodes: Episodes | None = None,
     ):
         self.servers, self.prompts, self.cfg = servers, prompts, cfg
         # The completions' text, decoded here rather than on the engines' side.
@@ -93,6 +82,7 @@ class RolloutProducer:
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.schedule, self.max_staleness = schedule, max_staleness
         self.settle = settle
+        self.episodes = episodes or Episodes(EnvConfig(), cfg.max_new_tokens, None, None)  # one turn
         # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
         self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
         self.cond = threading.Condition()
@@ -106,6 +96,7 @@ class RolloutProducer:
         self.fresh: deque[Ticket] = deque(fresh)  # pulled from the data, not admitted yet
         self.running: dict[int, tuple[int, Ticket, str]] = {}  # requests in flight by key: index, prompt, URL
         self.load = {s.url: 0 for s in servers}  # requests in flight per server
+        self.servers_by_url = {s.url: s for s in servers}
         self.finished: list[tuple[Finished, int]] = []  # answered, waiting to be settled (with index)
         self.settling: list[tuple[Finished, int]] = []  # being settled now
         self.done: dict[int, Group] = {}  # by admission index
@@ -113,8 +104,7 @@ class RolloutProducer:
         self.error: BaseException | None = None
         self._next_key = self._failures = 0
         self._last_progress = time.monotonic()
-        # Counters since the last `take_metrics()`.
-        self._t_metrics = time.perf_counter()
+        self._t_metrics = time.perf_counter()  # counters since the last `take_metrics()`:
         self.idle = IdleClock()
         self._learner_wait_s = 0.0
         self._num_samples = self._num_tokens = self._regenerated = 0
@@ -293,31 +283,51 @@ class RolloutProducer:
         with self.cond:
             index = self.running[key][0]
         seed = request_seed(self.run_seed, index)  # a resubmitted prompt samples what it would have
-        body = sampling_body(ticket.prompt.token_ids, self.cfg, seed, self._model_of(url))
         try:
-            completions = await generate(http, url, body, self.decode, self.cfg.request_timeout_s)
-        except EngineError as e:
+            episodes = await self._episodes(http, url, ticket.prompt, seed)
+        except UserError as e:  # a server's error, or an environment's
             self._fail(e)
             return
         except aiohttp.ClientError as e:
-            # A kept-alive connection the server has just closed (it drops idle ones after a few
-            # seconds) fails a request without an answer: send it again. Only a run of failures
-            # (a dead or unreachable server) stops the run.
-            with self.cond:
-                self._check_progress()  # a dead server says so, not "no answer"
-                self._failures += 1
-                if self.error is None and self._failures > MAX_FAILURES:
-                    self._check_progress(grace_s=EXIT_GRACE_S)  # a killed server may still be exiting
-                if self.error is None and self._failures > MAX_FAILURES:
-                    self.error = EngineError(
-                        f"{url}{GENERATE}: {self._failures} requests in a row got no answer "
-                        f"(last: {type(e).__name__}: {e})"
-                    )
-                if self.error is not None:
-                    self.cond.notify_all()
-                    return
-            completions = None
-        self.finish(key, ticket, version, completions)
+            if not self._no_answer(url, e):
+                return
+            episodes = None
+        except Exception as e:  # noqa: BLE001 (an episode that breaks its invariants stops the run)
+            self._fail(
+                EngineError(
+                    f"an episode of problem {ticket.prompt.problem.index} failed: {type(e).__name__}: {e}"
+                )
+            )
+            return
+        self.finish(key, ticket, version, episodes)
+
+    async def _episodes(
+        self, http: aiohttp.ClientSession, url: str, prompt: Prompt, seed: int
+    ) -> list | None:
+        """The `n` episodes of `prompt`, every turn from the server at `url`, whose prefix cache holds
+        the episode (`episode.play_episodes`); None if the engine aborted a request. A turn sent while
+        a weight swap pauses the server waits in it."""
+        echo = self.episodes.multi_turn  # the server repeats the tokens it was given, to check
+        sample = server_sampler(http, url, self.servers_by_url[url].model_name, self.cfg, self.decode, echo)
+        return await play_episodes(sample, self.episodes, prompt, seed)
+
+    def _no_answer(self, url: str, e: aiohttp.ClientError) -> bool:
+        """A request failed without an answer: whether to send it again. A kept-alive connection the
+        server has just closed (it drops idle ones after a few seconds) fails a request so; only a run
+        of failures (a dead or unreachable server) stops the run."""
+        with self.cond:
+            self._check_progress()  # a dead server says so, not "no answer"
+            self._failures += 1
+            if self.error is None and self._failures > MAX_FAILURES:
+                self._check_progress(grace_s=EXIT_GRACE_S)  # a killed server may still be exiting
+            if self.error is None and self._failures > MAX_FAILURES:
+                self.error = EngineError(
+                    f"{url}{GENERATE}: {self._failures} requests in a row got no answer "
+                    f"(last: {type(e).__name__}: {e})"
+                )
+            if self.error is not None:
+                self.cond.notify_all()
+            return self.error is None
 
     def bound_reached(self) -> bool:
         """Whether the staleness bound holds admission: one more prompt could not be trained within
@@ -327,23 +337,16 @@ class RolloutProducer:
     def _update_idle(self) -> None:
         """Under the lock, after any change of what is in flight or whether a sync runs: why the
         engines are idle now, if they are."""
-        if self.syncing:
-            self.idle.now("sync")
-        elif self.running:
-            self.idle.now(None)
-        else:
-            self.idle.now("bound" if not self.resubmit and self.bound_reached() else "starved")
+        held = not self.resubmit and self.bound_reached()
+        self.idle.now("sync" if self.syncing else None if self.running else "bound" if held else "starved")
 
-    def _model_of(self, url: str) -> str:
-        return next(s.model_name for s in self.servers if s.url == url)
-
-    def _fail(self, error: EngineError) -> None:
+    def _fail(self, error: UserError) -> None:
         with self.cond:
             self.error = error
             self.cond.notify_all()
 
-    def finish(self, key: int, ticket: Ticket, version: int, completions: list[Completion] | None) -> None:
-        """Request `key` (submitted at engine `version`) came back: its group goes to be settled, or,
+    def finish(self, key: int, ticket: Ticket, version: int, episodes: list[Episode] | None) -> None:
+        """Request `key` (submitted at engine `version`) came back: its `episodes` go to be settled, or,
         with no answer (aborted outside the run, or a dropped connection), it is submitted again."""
         self._wake_admission()
         with self.cond:
@@ -352,12 +355,12 @@ class RolloutProducer:
                 self.load[url] -= 1
             self._last_progress = time.monotonic()
             self._update_idle()
-            if completions is None:
+            if episodes is None:
                 self.resubmit.appendleft((index, ticket))  # it keeps its place in the order
                 self._regenerated += 1
                 return
             self._failures = 0
-            versions = {v for c in completions for v in (c.versions or [version])}
+            versions = {v for e in episodes for c in e.turns for v in (c.versions or [version])}
             if min(versions) < version or max(versions) > self.engine_version:
                 self.error = EngineError(
                     f"{url}: tokens of a request submitted at weight version {version} carry versions "
@@ -366,11 +369,11 @@ class RolloutProducer:
                 )
                 self.cond.notify_all()
                 return
-            self.finished.append((Finished(ticket, version, completions), index))
-            self._num_samples += len(completions)
-            self._num_tokens += sum(len(c.token_ids) for c in completions)
+            self.finished.append((Finished(ticket, version, episodes), index))
+            self._num_samples += len(episodes)
+            self._num_tokens += sum(len(c.token_ids) for e in episodes for c in e.turns)
             if self.settle is None:
-                self._settled(self.finished, [f.completions for f, _ in self.finished])
+                self._settled(self.finished, [f.episodes for f, _ in self.finished])
                 self.finished = []
             self.cond.notify_all()
 

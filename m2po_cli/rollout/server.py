@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -267,16 +267,28 @@ def one_line(text: str, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def sampling_body(prompt: list[int], cfg: RolloutConfig, seed: int, model: str = SERVED_NAME) -> dict:
-    """A `GENERATE` request for `n` samples of one tokenized prompt, untruncated sampling seeded
-    per request (`settings.request_seed`). Tokens out, not text: the server does no per-token
-    detokenizing on the engine's side (the run decodes the text itself, `parse_completions`)."""
-    return {
+def sampling_body(
+    prompt: list[int],
+    cfg: RolloutConfig,
+    seed: int,
+    model: str = SERVED_NAME,
+    max_tokens: int | None = None,
+    echo: bool = False,
+) -> dict:
+    """A `GENERATE` request for `n` samples of one tokenized prompt (an episode's later turn: one, of
+    at most `max_tokens`), untruncated sampling seeded per request (`settings.request_seed`). Tokens
+    out, not text: the server does no per-token detokenizing on the engine's side (the run decodes
+    the text itself, `parse_completions`). `echo`: the answer repeats the token ids the engine was
+    given, for an episode to check against its own."""
+    body = {
         "model": model,
         "token_ids": prompt,
-        "sampling_params": {**rollout_sampling(cfg, seed), "detokenize": False},
+        "sampling_params": {**rollout_sampling(cfg, seed, max_tokens), "detokenize": False},
         "output_mode": "tokens",
     }
+    if echo:
+        body["return_token_ids"] = True
+    return body
 
 
 def parse_completions(response: dict, decode: Callable[[list[int]], str]) -> list[Completion] | None:
@@ -285,6 +297,7 @@ def parse_completions(response: dict, decode: Callable[[list[int]], str]) -> lis
     choices = sorted(response["choices"], key=lambda c: c["index"])
     if any(c["finish_reason"] == "abort" for c in choices):
         return None
+    given = response.get("prompt_token_ids")
     return [
         Completion(
             token_ids=list(c["token_ids"]),
@@ -292,6 +305,7 @@ def parse_completions(response: dict, decode: Callable[[list[int]], str]) -> lis
             text=decode(c["token_ids"]),
             finished=is_finished(c["finish_reason"]),
             versions=token_versions(c.get("weight_versions"), len(c["token_ids"])),
+            prompt_ids=given,
         )
         for c in choices
     ]
@@ -313,6 +327,24 @@ async def generate(
     if response.status != 200:
         raise EngineError(f"{url}{GENERATE}: HTTP {response.status}: {one_line(text)}")
     return parse_completions(json.loads(text), decode)
+
+
+def server_sampler(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    cfg: RolloutConfig,
+    decode: Callable[[list[int]], str],
+    echo: bool,
+) -> Callable[[list[int], int, int | None], Awaitable[list[Completion] | None]]:
+    """`sample(token_ids, seed, max_tokens)`: one `generate` request of `sampling_body` to the server
+    at `url`, its completions (None: aborted); what an episode samples its turns with."""
+
+    async def sample(token_ids: list[int], seed: int, max_tokens: int | None) -> list[Completion] | None:
+        body = sampling_body(token_ids, cfg, seed, model, max_tokens, echo)
+        return await generate(http, url, body, decode, cfg.request_timeout_s)
+
+    return sample
 
 
 def token_versions(spans: list[dict] | None, num_tokens: int) -> list[int]:

@@ -97,18 +97,19 @@ def request_seed(run_seed: int, *place: int) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def rollout_sampling(cfg: RolloutConfig, seed: int) -> dict[str, Any]:
+def rollout_sampling(cfg: RolloutConfig, seed: int, max_tokens: int | None = None) -> dict[str, Any]:
     """One prompt's rollout sampling: `n` samples at the recipe's temperature from the untruncated
     distribution (no top-p, top-k or min-p, so behaviour logprobs are the full policy's), each
-    sampled token's logprob returned, seeded per request (`request_seed`)."""
+    sampled token's logprob returned, seeded per request (`request_seed`). An episode's later turn
+    (`max_tokens` given) is one sample of at most that many tokens."""
     return dict(
         seed=seed,
-        n=cfg.n,
+        n=cfg.n if max_tokens is None else 1,
         temperature=cfg.temperature,
         top_p=1.0,
         top_k=0,
         min_p=0.0,
-        max_tokens=cfg.max_new_tokens,
+        max_tokens=cfg.max_new_tokens if max_tokens is None else max_tokens,
         logprobs=0,
     )
 

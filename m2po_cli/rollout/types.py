@@ -3,8 +3,9 @@ in-process engine or a `vllm serve` server alike), and a prompt on its way throu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from m2po_cli.data import Prompt
 
@@ -22,6 +23,9 @@ class Completion:
     text: str
     finished: bool  # stopped on EOS rather than on the length limit
     versions: list[int] | None = None
+    # The token ids the engine reports it sampled from (its prompt), where it says; shared by the
+    # completions of one request.
+    prompt_ids: list[int] | None = None
 
 
 class Ticket(NamedTuple):
@@ -39,4 +43,18 @@ class Request(NamedTuple):
 class Finished(NamedTuple):
     ticket: Ticket
     version: int  # the engine's weight version at submission
-    completions: list[Completion]  # its n completions
+    episodes: list  # its n episodes (`rollout.episode.Episode`)
+
+
+@dataclass
+class Group:
+    """The `n` samples of one prompt, submitted at weight `version`, settled into `rows`."""
+
+    epoch: int  # the data epoch the prompt was drawn in
+    prompt: Prompt
+    rows: Any  # what `settle` made of the episodes (the episodes themselves without one)
+    version: int
+    index: int  # admission order: the learner trains groups in it
+
+
+Settle = Callable[[list[Finished]], list[Any]]  # finished groups -> what the learner takes of each

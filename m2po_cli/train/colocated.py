@@ -13,6 +13,7 @@ import math
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
+from m2po_cli.rollout.episode import Episodes, sample_episodes
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.run_dir import GENERATED_TOKENS, NEWEST_REWARD, NEWEST_VERSION
 from m2po_cli.schedule import Schedule
@@ -53,11 +55,13 @@ class ColocatedSource:
         recipe: Recipe,
         learner: Learner,
         prompts: PromptBatches,
+        episodes: Episodes,
         recorder: Recorder,
         log: RunLog | None,
         restored: Restored | None,
     ):
         self.recipe, self.learner, self.prompts, self.recorder = recipe, learner, prompts, recorder
+        self.episodes = episodes
         self.queue = StalenessQueue(recipe.queue_batches)
         self.newest: dict[str, float] = {}
         self._stack = ExitStack()
@@ -127,16 +131,23 @@ class ColocatedSource:
         self.close()
 
     def _rollout(self, index: int) -> PackedRollouts:
-        batch = rollout(
-            self.engine, self.grader, self.prompts, self.learner, self.recipe, self.recorder, index
-        )
+        engine = Sampler(self.engine, self.grader, self.episodes)
+        batch = rollout(engine, self.prompts, self.learner, self.recipe, self.recorder, index)
         self.newest = {NEWEST_REWARD: batch.meta.pop(NEWEST_REWARD), NEWEST_VERSION: float(batch.version)}
         return batch
 
 
+class Sampler(NamedTuple):
+    """What samples and scores a rank's share: its engine, its grader (the first rank of an engine
+    group only) and the run's episodes."""
+
+    engine: RolloutEngine
+    grader: Grader | None
+    episodes: Episodes
+
+
 def rollout(
-    engine: RolloutEngine,
-    grader: Grader | None,
+    sampler: Sampler,
     prompts: PromptBatches,
     learner: Learner,
     recipe: Recipe,
@@ -147,7 +158,7 @@ def rollout(
     give each rank its rows; trained at step `index + K`. Its rows are all scored at the behaviour
     version when they are the behaviour logprobs or when that step is recorded."""
     prompt_batch = next(prompts)  # every rank advances its iterator, so all hold the same data state
-    batch = generate_share(engine, grader, prompt_batch, learner, recipe, index)
+    batch = generate_share(sampler, prompt_batch, learner, recipe, index)
     batch = distribute(batch, Schedule.of(recipe))
     recorded = recorder.due(index + recipe.queue_batches)
     everything = recipe.algorithm.behaviour_logprobs == "learner" or recorded
@@ -184,11 +195,11 @@ def engine_share(rank: int, world: int, tp: int, num_prompts: int) -> tuple[int,
 
 
 def generate_share(
-    engine: RolloutEngine, grader, prompt_batch: list, learner: Learner, recipe: Recipe, index: int
+    sampler: Sampler, prompt_batch: list, learner: Learner, recipe: Recipe, index: int
 ) -> PackedRollouts:
-    """This engine's share of the batch: sampled by every rank of its group (vLLM's external
-    launcher needs the same prompts on each), graded and packed by the group's first rank, the
-    others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
+    """This engine's share of the batch: its episodes sampled by every rank of its group (vLLM's
+    external launcher needs the same prompts on each, so an environment must answer alike on each),
+    graded and packed by the group's first rank, the others holding no rows. Rows keep their global numbers (prompt-major). A collective: the timings
     are the slowest engine's (`time/generate`) and the slowest grader's (`time/grade`), the tokens
     every engine's (`rollout/generated_tokens`) and the busiest and idlest engine's
     (`rollout/engine_tokens_max`, `_min`: a straggler, or an engine that generated nothing), and the
@@ -197,15 +208,16 @@ def generate_share(
     tp, n = recipe.rollout.tensor_parallel_size, recipe.rollout.n
     _, share = engine_share(learner.rank, learner.world, tp, len(prompt_batch))
     mine = [prompt_batch[i] for i in share]
-    tokens = [p.token_ids for p in mine]
     batch = PackedRollouts.empty(learner.version)
     t0 = time.perf_counter()
     seeds = [request_seed(recipe.run.seed, index, i) for i in share]  # by the prompt's place in the batch
-    groups = engine.generate(tokens, seeds) if mine else []
+    groups = sample_episodes(sampler.engine.generate, sampler.episodes, mine, seeds)
     t_gen = time.perf_counter() - t0
     if mine and learner.rank % tp == 0:
         versions = [learner.version] * len(mine)
-        packs = grade_and_pack(grader, [p.problem for p in mine], tokens, groups, versions, recipe.algorithm)
+        problems, tokens = [p.problem for p in mine], [p.token_ids for p in mine]
+        episodes = [g.episodes for g in groups]
+        packs = grade_and_pack(sampler.grader, problems, tokens, episodes, versions, recipe.algorithm)
         batch = PackedRollouts.cat(packs, torch.arange(share.start * n, share.stop * n))
     t_grade = time.perf_counter() - t0 - t_gen
     # One MAX reduction gives the slowest times and the busiest and idlest engine (max of -tokens);

@@ -26,6 +26,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
+from m2po_cli.rollout.episode import Episodes, build_episodes
 from m2po_cli.run_dir import EXPORT, GENERATED_TOKENS, STEP_SECONDS
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
@@ -50,6 +51,7 @@ class RolloutSource(Protocol):
         recipe: Recipe,
         learner: Learner,
         prompts: PromptBatches,
+        episodes: Episodes,
         recorder: Recorder,
         log: RunLog | None,
         restored: Restored | None,
@@ -95,7 +97,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
     `problems` is the loaded prompt set when the caller has already read it (the CLI checks it first).
     """
     run_dir, source_type = recipe.run_dir, SOURCES[recipe.rollout.mode]
-    model_dir, prompts = prepare(recipe, source_type, problems)
+    model_dir, prompts, episodes = prepare(recipe, source_type, problems)
     with ExitStack() as stack:  # closes what set-up started, whichever step fails
         learner = Learner(model_dir, recipe)
         torch.manual_seed(recipe.run.seed)
@@ -105,7 +107,7 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
         recorder = Recorder(run_dir, recipe.inspect, recipe.run.seed, learner.rank, learner.world)
         recorder.start(first_step)
         source: RolloutSource = stack.enter_context(
-            source_type(model_dir, recipe, learner, prompts, recorder, log, restored)
+            source_type(model_dir, recipe, learner, prompts, episodes, recorder, log, restored)
         )
         reuse = build_reuse(recipe)
         if restored is not None:
@@ -117,7 +119,9 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
             t1 = time.perf_counter()
             plan = reuse.plan(batch, step, learner.version)
             metrics = train_on(plan, learner, loss_fn, source.after_update, recipe, recorder, step)
-            metrics |= reuse.after_step(batch, step) | rollout_metrics(batch) | source.take_metrics()
+            metrics |= (
+                reuse.after_step(batch, step) | rollout_metrics(batch, episodes) | source.take_metrics()
+            )
             metrics |= step_times(t0, t1, metrics)
             if log is not None:
                 log_step(log, recipe, step, metrics, batch, prompts.tokenizer)
@@ -134,19 +138,22 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
 
 def prepare(
     recipe: Recipe, source_type: type[RolloutSource], problems: list[Problem] | None
-) -> tuple[Path, PromptBatches]:
+) -> tuple[Path, PromptBatches, Episodes]:
     """Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
-    files, the rollout source's own needs, the reward function, the prompt set. Returns the model's
-    folder and the prompt batches."""
+    files, the rollout source's own needs, the reward function, the environment and the chat
+    template's turns, the prompt set. Returns the model's folder, the prompt batches and the episodes."""
     model_dir = resolve_model(recipe.model.path)
     check_model_dir(model_dir)
     source_type.check(recipe, launch().world)
     if recipe.reward.function:
         load_reward(recipe.reward.function)
     if problems is None:
-        problems = load_problems(recipe.data, columns=bool(recipe.reward.function))
+        problems = load_problems(recipe.data, columns=recipe.reads_columns)
     tokenizer = load_tokenizer(model_dir)
-    return model_dir, PromptBatches(problems, tokenizer, recipe.data, recipe.rollout.prompts_per_step)
+    episodes = build_episodes(recipe, tokenizer, model_dir)
+    per_step = recipe.rollout.prompts_per_step
+    prompts = PromptBatches(problems, tokenizer, recipe.data, per_step, episodes.opening, episodes.tools)
+    return model_dir, prompts, episodes
 
 
 def log_step(log: RunLog, recipe: Recipe, step: int, metrics: dict, batch: PackedRollouts, tokenizer) -> None:

@@ -8,7 +8,7 @@ weight version that sampled the token), `trained_R` (whether the loss trains the
 a policy sampled are, a span an environment wrote is not) and `learner_R` (the learner's
 recomputation at the generating version, on trained tokens, empty unless
 `algorithm.behaviour_logprobs = "learner"`). A row costs 4 bytes per token plus 9 (or 13) per
-response token plus 42 bytes; texts, answers and problem ids are not kept (the grader has read them
+response token plus 46 bytes; texts, answers and problem ids are not kept (the grader has read them
 on the rank that generated the row).
 
 Each field is declared once with its axis (`ROW`, `TOKEN`, `RESPONSE`): taking rows, joining
@@ -33,10 +33,10 @@ from torch import Tensor
 from m2po_cli.advantages import grpo_advantages
 from m2po_cli.config import AlgorithmConfig
 from m2po_cli.data import Problem
-from m2po_cli.distributed import gather, transfer_device
+from m2po_cli.distributed import all_to_all_rows, as_bytes, from_bytes, gather, transfer_device
 from m2po_cli.grader import Grader
 from m2po_cli.learner.batch import Batch
-from m2po_cli.rollout.types import Completion
+from m2po_cli.rollout.episode import Episode
 from m2po_cli.schedule import Schedule
 
 ROW, TOKEN, RESPONSE = "row", "token", "response"  # one value per row, per token, per response token
@@ -71,6 +71,8 @@ class PackedRollouts:
     # the policy version that sampled each response token (>= version_B)
     version_R: Tensor = column(RESPONSE, torch.int32)
     trained_R: Tensor = column(RESPONSE, torch.bool)  # the loss trains the token
+    tool_calls_B: Tensor = column(ROW, torch.int16)  # the episode's tool calls (0 without an environment)
+    tool_failures_B: Tensor = column(ROW, torch.int16)  # those that answered with an error
     meta: dict[str, float] = field(default_factory=dict)  # the batch's timings (slowest engine's)
 
     @staticmethod
@@ -101,6 +103,16 @@ class PackedRollouts:
         trained_B = torch.zeros(self.num_rows, dtype=torch.long)
         owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
         return trained_B.index_add_(0, owner_R, self.trained_R.long())
+
+    @property
+    def turns_B(self) -> Tensor:
+        """The model turns of each row's episode: its runs of trained tokens (1 for a one-turn row)."""
+        before_R = torch.zeros_like(self.trained_R)  # the token before is trained, in the same row
+        before_R[1:] = self.trained_R[:-1]
+        before_R[self.response_offsets()[:-1][self.response_len_B > 0]] = False
+        starts_R = self.trained_R & ~before_R
+        owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
+        return torch.zeros(self.num_rows, dtype=torch.long).index_add_(0, owner_R, starts_R.long())
 
     @property
     def num_bytes(self) -> int:
@@ -215,6 +227,8 @@ class PackedRollouts:
             tensors = {**tensors, "version_R": tensors["version_B"].repeat_interleave(responses_B).int()}
         if "trained_R" not in tensors:  # written before tokens carried the flag: every one trained
             tensors = {**tensors, "trained_R": torch.ones(int(responses_B.sum()), dtype=torch.bool)}
+        for name in ("tool_calls_B", "tool_failures_B"):  # written before episodes: one turn, no tools
+            tensors.setdefault(name, torch.zeros_like(tensors["row_B"], dtype=torch.int16))
         return cls(version=version, meta=meta, **tensors)
 
     @classmethod
@@ -247,35 +261,36 @@ def pack_groups(
     version: int,
     first_row: int,
     prompts: list[list[int]],
-    groups: list[list[Completion]],
+    groups: list[list[Episode]],
     rewards_PG: Tensor,
     normalize_std: bool,
     std_eps: float,
 ) -> PackedRollouts:
-    """Pack P prompts x n completions generated on this rank; their rows start at `first_row`. Every
-    sampled token is trained."""
-    samples = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
-    tokens = [t for p, c in samples for t in (*p, *c.token_ids)]
-    lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in samples], dtype=torch.long)
+    """Pack P prompts x n episodes generated on this rank; their rows start at `first_row`. The
+    model's tokens are trained, the environment's are context (`Episode.trained`)."""
+    samples = [(p, e) for p, group in zip(prompts, groups, strict=True) for e in group]
+    responses = [e.token_ids for _, e in samples]
+    tokens = [t for (p, _), r in zip(samples, responses, strict=True) for t in (*p, *r)]
+    lengths = torch.tensor([len(p) + len(r) for (p, _), r in zip(samples, responses, strict=True)])
     advantages_PG = grpo_advantages(rewards_PG, normalize_std, std_eps)
     n = rewards_PG.shape[1]
     return PackedRollouts(
         version=version,
         row_B=torch.arange(first_row, first_row + len(samples)),
         tokens_N=torch.tensor(tokens, dtype=torch.int32),
-        offsets_B1=_offsets(lengths),
+        offsets_B1=_offsets(lengths.long()),
         prompt_len_B=torch.tensor([len(p) for p, _ in samples], dtype=torch.long),
-        behaviour_R=torch.tensor([x for _, c in samples for x in c.logprobs], dtype=torch.float32),
+        behaviour_R=torch.tensor([x for _, e in samples for x in e.logprobs], dtype=torch.float32),
         learner_R=_empty("learner_R"),
         advantages_B=advantages_PG.flatten().float(),
         rewards_B=rewards_PG.flatten().float().clone(),
-        finished_B=torch.tensor([c.finished for _, c in samples], dtype=torch.bool),
+        finished_B=torch.tensor([e.finished for _, e in samples], dtype=torch.bool),
         solved_B=(rewards_PG.max(dim=1).values > 0).repeat_interleave(n),
         version_B=torch.full((len(samples),), version, dtype=torch.long),
-        version_R=torch.tensor(
-            [v for _, c in samples for v in (c.versions or [version] * len(c.token_ids))], dtype=torch.int32
-        ),
-        trained_R=torch.ones(sum(len(c.token_ids) for _, c in samples), dtype=torch.bool),
+        version_R=torch.tensor([v for _, e in samples for v in e.versions(version)], dtype=torch.int32),
+        trained_R=torch.tensor([t for _, e in samples for t in e.trained], dtype=torch.bool),
+        tool_calls_B=torch.tensor([e.tool_calls for _, e in samples], dtype=torch.int16),
+        tool_failures_B=torch.tensor([e.tool_failures for _, e in samples], dtype=torch.int16),
     )
 
 
@@ -283,14 +298,18 @@ def grade_and_pack(
     grader: Grader,
     problems: list[Problem],
     prompts: list[list[int]],
-    groups: list[list[Completion]],
+    groups: list[list[Episode]],
     versions: list[int],
     algorithm: AlgorithmConfig,
 ) -> list[PackedRollouts]:
-    """Finished groups, graded in one call (`Grader.score_groups`) and packed one a group (`pack_groups`,
-    rows numbered from 0, each group at the version its request was submitted at): what both rollout
-    sources do with what their engines finish."""
-    rewards = grader.score_groups(problems, [[c.text for c in g] for g in groups])
+    """Finished groups, scored and packed one a group (`pack_groups`, rows numbered from 0, each group
+    at the version its request was submitted at): what both rollout sources do with what their
+    engines finish. An environment's own reward() scores its episodes; otherwise the grader scores
+    every episode's text in one call (`Grader.score_groups`)."""
+    if all(e.reward is not None for g in groups for e in g):
+        rewards = [[e.reward for e in g] for g in groups]
+    else:
+        rewards = grader.score_groups(problems, [[e.text for e in g] for g in groups])
     rewards_GN = torch.tensor(rewards, dtype=torch.float32)
     a = algorithm
     return [
@@ -328,7 +347,7 @@ def distribute(
     A collective: every rank passes its own pack (empty if it generated nothing). Every rank's row
     numbers and lengths are gathered first (16 bytes a row), so all ranks deal the rows alike. Then
     one all-to-all of the counts and one per axis, each carrying that axis's fields as raw bytes
-    (per row: the length and every row field, 42 bytes; per token: 4; per response token: 9);
+    (per row: the length and every row field, 46 bytes; per token: 4; per response token: 9);
     `meta` stays with the rank that holds it. Tensors travel on the GPU when there is one
     (`transfer_device`). Rows are distributed before the learner scores them, so the optional
     fields (`learner_R`) do not travel.
@@ -353,7 +372,7 @@ def distribute(
     counts_to = torch.stack(
         [per_rank(torch.ones_like(send_owner_B)), per_rank(send.lengths_B), per_rank(send.response_len_B)]
     )
-    counts_from = _all_to_all(counts_to.T.contiguous(), [1] * world, [1] * world, group, device).T
+    counts_from = all_to_all_rows(counts_to.T.contiguous(), [1] * world, [1] * world, group, device).T
     sizes = {
         axis: (to.tolist(), came.tolist())
         for axis, to, came in zip((ROW, TOKEN, RESPONSE), counts_to, counts_from, strict=True)
@@ -363,8 +382,8 @@ def distribute(
     received: dict[str, Tensor] = {}
     for axis, names in travelling.items():
         values = [getattr(send, n) for n in names]
-        came = _all_to_all(_as_bytes(values), *sizes[axis], group, device)
-        received |= _from_bytes(came, names, [v.dtype for v in values])
+        came = all_to_all_rows(as_bytes(values), *sizes[axis], group, device)
+        received |= from_bytes(came, names, [v.dtype for v in values])
     lengths_B = received.pop("lengths_B")
     rows = PackedRollouts(
         version=pack.version,
@@ -374,26 +393,3 @@ def distribute(
         meta=dict(pack.meta),
     )
     return rows.take(torch.sort(rows.row_B).indices)
-
-
-def _as_bytes(values: list[Tensor]) -> Tensor:
-    """Tensors of one length as the columns of one `[length, bytes]` uint8 tensor."""
-    n = values[0].shape[0]
-    return torch.cat([v.contiguous().view(torch.uint8).view(n, v.element_size()) for v in values], dim=1)
-
-
-def _from_bytes(data: Tensor, names: list[str], dtypes: list[torch.dtype]) -> dict[str, Tensor]:
-    """The tensors `_as_bytes` joined, back by name."""
-    out, start = {}, 0
-    for name, dtype in zip(names, dtypes, strict=True):
-        width = torch.empty(0, dtype=dtype).element_size()
-        out[name] = data[:, start : start + width].contiguous().view(dtype).view(-1)
-        start += width
-    return out
-
-
-def _all_to_all(x: Tensor, send: list[int], receive: list[int], group, device) -> Tensor:
-    """Rows of `x` split by `send` to each rank; `receive[r]` rows come back from rank r."""
-    out = x.new_empty((sum(receive), *x.shape[1:]), device=device)
-    dist.all_to_all_single(out, x.to(device) if device else x, receive, send, group=group)
-    return out.cpu()

@@ -26,10 +26,11 @@ from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
-from m2po_cli.rollout.producer import Group, RolloutProducer
+from m2po_cli.rollout.episode import Episodes
+from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineServer
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
-from m2po_cli.rollout.types import Finished, Ticket
+from m2po_cli.rollout.types import Finished, Group, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
@@ -55,11 +56,13 @@ class SeparateSource:
         recipe: Recipe,
         learner: Learner,
         prompts: PromptBatches,
+        episodes: Episodes,
         recorder: Recorder,
         log: RunLog | None,
         restored: Restored | None,
     ):
         self.recipe, self.learner, self.log = recipe, learner, log
+        self.episodes = episodes
         self.run_dir = recipe.run_dir
         self.producer: RolloutProducer | None = None
         self.grader: Grader | None = None
@@ -105,6 +108,7 @@ class SeparateSource:
             **carried,
             settle=lambda finished: settle(finished, self.grader, recipe),
             run_seed=recipe.run.seed,
+            episodes=self.episodes,
         )
         self._stack.callback(self.producer.stop)
 
@@ -219,7 +223,7 @@ def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[Pac
         grader,
         [f.ticket.prompt.problem for f in finished],
         [f.ticket.prompt.token_ids for f in finished],
-        [f.completions for f in finished],
+        [f.episodes for f in finished],
         [f.version for f in finished],
         recipe.algorithm,
     )

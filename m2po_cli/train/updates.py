@@ -19,6 +19,7 @@ from m2po_cli.distributed import all_reduce, gather, transfer_device, world_grou
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss_metrics import NUM_SPLITS
 from m2po_cli.record import Recorder, Sample
+from m2po_cli.rollout.episode import Episodes
 from m2po_cli.run_dir import BEHAVIOUR_VERSION, REWARD, VERSION
 from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.reuse import StepPlan, bucket_label
@@ -184,26 +185,36 @@ def record_sample(
     )
 
 
-def rollout_metrics(batch: PackedRollouts) -> dict[str, float]:
+def rollout_metrics(batch: PackedRollouts, episodes: Episodes | None = None) -> dict[str, float]:
     """Metrics of the whole rollout batch (a collective: sums over every rank's rows), with the
-    source's own (`batch.meta`)."""
+    source's own (`batch.meta`). Multi-turn `episodes` add the mean turns, tool calls and failed
+    calls, model (trained) and environment tokens per episode (`env/`)."""
     lengths_B = batch.trained_len_B.double()
-    sums = torch.stack(
-        [
-            torch.tensor(float(batch.num_rows)),
-            batch.rewards_B.double().sum(),
-            batch.solved_B.double().sum(),
-            lengths_B.sum(),
-            batch.finished_B.double().sum(),
-        ]
-    ).double()
-    num_rows, rewards, solved, tokens, finished = all_reduce(sums, dist.ReduceOp.SUM).tolist()
+    columns = [
+        torch.ones(batch.num_rows, dtype=torch.float64),
+        batch.rewards_B.double(),
+        batch.solved_B.double(),
+        lengths_B,
+        batch.finished_B.double(),
+    ]
+    if episodes is not None and episodes.multi_turn:
+        context_B = batch.response_len_B.double() - lengths_B
+        calls = [batch.tool_calls_B.double(), batch.tool_failures_B.double()]
+        columns += [batch.turns_B.double(), *calls, context_B]
+    sums = all_reduce(torch.stack([c.sum() for c in columns]).double(), dist.ReduceOp.SUM).tolist()
+    num_rows, rewards, solved, tokens, finished, *per_episode = sums
     num_rows = max(num_rows, 1.0)
+    env = {}
+    if per_episode:
+        keys = ("turns_mean", "tool_calls_mean", "tool_failures_mean", "env_tokens_mean")
+        env = {f"env/{k}": v / num_rows for k, v in zip(keys, per_episode, strict=True)}
+        env["env/model_tokens_mean"] = tokens / num_rows
     return {
         REWARD: rewards / num_rows,
         "rollout/solved_groups": solved / num_rows,  # every row of a group carries its group's flag
         "rollout/response_tokens_mean": tokens / num_rows,
         "rollout/truncated_frac": 1.0 - finished / num_rows,
         BEHAVIOUR_VERSION: float(batch.version),
+        **env,
         **batch.meta,
     }

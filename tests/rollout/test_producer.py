@@ -16,6 +16,7 @@ import pytest
 
 from m2po_cli.config import DataConfig, RolloutConfig, SyntheticConfig
 from m2po_cli.data import PromptBatches, load_problems
+from m2po_cli.rollout.episode import Episode
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineError, EngineServer
 from m2po_cli.rollout.types import Completion
@@ -31,8 +32,8 @@ def producer(char_tokenizer, max_staleness: int, version: int = 0, **carried) ->
     return RolloutProducer([], prompts, RolloutConfig(n=2), schedule, max_staleness, version, **carried)
 
 
-def answer(n: int = 2, versions: list[int] | None = None) -> list[Completion]:
-    return [Completion([5, 6], [-0.5, -0.5], "x", True, versions) for _ in range(n)]
+def answer(n: int = 2, versions: list[int] | None = None) -> list[Episode]:
+    return [Episode.of(Completion([5, 6], [-0.5, -0.5], "x", True, versions)) for _ in range(n)]
 
 
 def admit_all(p: RolloutProducer) -> list[tuple]:
@@ -145,7 +146,7 @@ def test_no_group_is_trained_past_the_bound(char_tokenizer, seed, max_staleness,
             continue
         groups = p.take(updates_per_step * PER_UPDATE, learner_version)
         for j, g in enumerate(groups):
-            for version in g.rows[0].versions:
+            for version in g.rows[0].versions(g.version):
                 assert 0 <= learner_version + j // PER_UPDATE - version <= max_staleness
         trained += [(g.epoch, g.prompt.problem.index) for g in groups]
         for _ in range(updates_per_step):

@@ -15,6 +15,7 @@ from m2po_cli.config import SyntheticConfig
 from m2po_cli.data import PromptBatches, encode_prompt, synthetic_arithmetic
 from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
+from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import (
     GENERATE,
@@ -251,7 +252,7 @@ def test_a_sync_mid_response_keeps_the_request_and_each_token_is_its_versions(se
     assert v[0] == before and v[-1] == learner.version, f"versions {v[0]}..{v[-1]}"
     switch = v.index(learner.version)
     assert 24 <= switch < len(v) - 24 and v == [before] * switch + [learner.version] * (len(v) - switch)
-    one = pack_groups(before, 0, [prompt], [[completion]], torch.zeros(1, 1), False, 1e-6)
+    one = pack_groups(before, 0, [prompt], one_turn([[completion]]), torch.zeros(1, 1), False, 1e-6)
     assert behaviour_gap(versions, one) < 1e-4
     # The test tells the versions apart: under one version for all tokens, the others differ.
     assert behaviour_gap(versions, one, use_version=before) > 1e-3

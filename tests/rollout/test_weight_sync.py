@@ -14,6 +14,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import VLLMEngine
+from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
 from m2po_cli.train.packed import PackedRollouts, pack_groups
@@ -29,7 +30,13 @@ def logprob_gap(engine: VLLMEngine, learner: Learner, sequences: list[list[int]]
     from_engine = prompt_logprobs(engine, sequences)
     groups = [[Completion(s[1:], lp, "", True)] for s, lp in zip(sequences, from_engine, strict=True)]
     batch = pack_groups(
-        learner.version, 0, [s[:1] for s in sequences], groups, torch.zeros(len(sequences), 1), False, 1e-6
+        learner.version,
+        0,
+        [s[:1] for s in sequences],
+        one_turn(groups),
+        torch.zeros(len(sequences), 1),
+        False,
+        1e-6,
     )
     rows = batch.to_batch(torch.arange(batch.num_rows))
     learner_BL, _ = learner.score(rows)
@@ -48,7 +55,7 @@ def sampled_batch(engine: VLLMEngine, tokenizer, recipe, version: int) -> Packed
     groups = engine.generate(prompts, [request_seed(0, version, i) for i in range(len(prompts))])
     gen = torch.Generator().manual_seed(0)
     rewards_PG = torch.randint(0, 2, (len(prompts), recipe.rollout.n), generator=gen).float()
-    return pack_groups(version, 0, prompts, groups, rewards_PG, True, 1e-6)
+    return pack_groups(version, 0, prompts, one_turn(groups), rewards_PG, True, 1e-6)
 
 
 @pytest.mark.parametrize("model", ["builtin:tiny-qwen3", "builtin:tiny-qwen3-untied"])

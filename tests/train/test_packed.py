@@ -17,6 +17,7 @@ from m2po_cli.learner.logprobs import ScoreRequest, chunked_logprobs
 from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
+from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, engine_share, mismatch_sample
@@ -47,7 +48,7 @@ def random_pack(seed: int, num_prompts: int = 5, n: int = 3, vocab: int = 50, fi
             ]
         )
     rewards_PG = torch.randint(0, 2, (num_prompts, n), generator=g).float()
-    pack = pack_groups(3, first_row, prompts, groups, rewards_PG, True, 1e-6)
+    pack = pack_groups(3, first_row, prompts, one_turn(groups), rewards_PG, True, 1e-6)
     return pack, prompts, groups, rewards_PG
 
 

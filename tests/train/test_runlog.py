@@ -31,6 +31,7 @@ def test_samples_are_the_trained_rows_as_text_and_a_resume_drops_the_redone_ones
     import torch
 
     from m2po_cli.builtin_models import char_tokenizer as builtin_tokenizer
+    from m2po_cli.rollout.episode import one_turn
     from m2po_cli.rollout.types import Completion
     from m2po_cli.train.loop import batch_samples
     from m2po_cli.train.packed import pack_groups
@@ -43,7 +44,7 @@ def test_samples_are_the_trained_rows_as_text_and_a_resume_drops_the_redone_ones
     texts = [["so 3", "4"], ["\\boxed{6}", "7"]]
     groups = [[Completion(encode(t), [0.0] * len(t), t, True) for t in g] for g in texts]
     rewards_PG = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
-    batch = pack_groups(0, 10, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
+    batch = pack_groups(0, 10, prompts, one_turn(groups), rewards_PG, normalize_std=True, std_eps=1e-6)
     samples = batch_samples(batch, char_tokenizer, k=3)
     assert [s["row"] for s in samples] == [10, 12, 13]  # spread: the first, the middle, the last
     assert [(s["prompt"], s["completion"], s["reward"]) for s in samples] == [

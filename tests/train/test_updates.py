@@ -1,9 +1,9 @@
 """What a row trains is data: a response token whose `trained_R` flag is off (a span an environment
-wrote) is context for the learner and nothing else. Rows with untrained spans go through one real
-update (`train_on`, the tiny model) and every count is held to a literal count of the trained tokens:
-the loss's token count, M2PO's second moment and mask, the masked share, the staleness and replay
-ages, the recorded tokens `m2po inspect` reads, and the rollout metrics; the M2PO loss is held to
-Algorithm 1 and the loss over the trained tokens alone."""
+wrote) is context for the learner and nothing else. Random episodes (model turns and environment
+spans between them) go through one real update (`train_on`, the tiny model) and every count is held
+to a literal count of the trained tokens: the loss's token count, M2PO's second moment and mask, the
+masked share, the staleness and replay ages, the recorded tokens `m2po inspect` reads, and the
+rollout metrics; the M2PO loss is held to Algorithm 1 and the loss over the trained tokens alone."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder, step_path
+from m2po_cli.rollout.episode import Episode
 from m2po_cli.rollout.types import Completion
 from m2po_cli.train.packed import PackedRollouts, pack_groups
 from m2po_cli.train.reuse import StepPlan
@@ -29,27 +30,46 @@ FAR = 40.0  # the untrained tokens' behaviour logprobs: were they counted, M2's 
 UNTRAINED_VERSION = -5  # and their staleness would be 5
 
 
+def random_episode(vocab: int, g: torch.Generator) -> Episode:
+    """One to three model turns of 2-6 tokens with an environment span of 2-6 tokens between each two."""
+
+    def tokens() -> list[int]:
+        return torch.randint(3, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+
+    turns = int(torch.randint(1, 4, (1,), generator=g))
+    segments: list = []
+    for t in range(turns):
+        if t:
+            segments.append(tokens())
+        sampled = tokens()
+        segments.append(Completion(sampled, [0.0] * len(sampled), "", True))
+    return Episode(segments)
+
+
 def packed_rows(vocab: int, learner: Learner) -> tuple[PackedRollouts, torch.Tensor]:
-    """Four prompts x 4 samples; rows 0-7 fresh, 8-15 stand for replayed ones. In each response the
-    tokens at positions 2 and 3 are untrained, and one row is untrained whole. Returns the rows and
-    the learner's current logprob of every response token (`[R]`)."""
+    """Four prompts x 4 random episodes; rows 0-7 fresh, 8-15 stand for replayed ones. The
+    environment's spans are untrained, and one row is untrained whole. Returns the rows and the
+    learner's current logprob of every response token (`[R]`)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, vocab, (5,), generator=g).tolist() for _ in range(4)]
-    groups = [
-        [
-            Completion(torch.randint(3, vocab, (k,), generator=g).tolist(), [0.0] * k, "", True)
-            for k in torch.randint(3, 9, (4,), generator=g).tolist()
-        ]
-        for _ in prompts
-    ]
+    groups = [[random_episode(vocab, g) for _ in range(4)] for _ in prompts]
     rewards_PG = torch.tensor(
         [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], [0, 1, 0, 1.0]]
     )
     pack = pack_groups(0, 0, prompts, groups, rewards_PG, True, 1e-6)
+    flags = [
+        isinstance(s, Completion)
+        for group in groups
+        for e in group
+        for s in e.segments
+        for _ in (s.token_ids if isinstance(s, Completion) else s)
+    ]
+    assert pack.trained_R.tolist() == flags
+    assert pack.turns_B.tolist() == [len(e.turns) for group in groups for e in group]
+    pack.trained_R = torch.ones_like(pack.trained_R)  # the learner scores every response token once
     everything = pack.to_batch(torch.arange(pack.num_rows))
     current_R = learner.score(everything)[0][everything.mask_BL.bool()]
-    position_R = torch.cat([torch.arange(int(k)) for k in pack.response_len_B])
-    pack.trained_R = (position_R < 2) | (position_R > 3)
+    pack.trained_R = torch.tensor(flags)
     pack.trained_R[pack.response_index(torch.tensor([5]))] = False
     noise_R = NOISE * (2 * torch.rand(current_R.shape, generator=g) - 1)
     pack.behaviour_R = torch.where(pack.trained_R, current_R + noise_R, current_R - FAR)

@@ -28,10 +28,11 @@ from m2po_cli.grader import Grader, grader_workers
 from m2po_cli.learner.policy import Learner
 from m2po_cli.models import resolve_model
 from m2po_cli.rollout.engine import VLLMEngine
+from m2po_cli.rollout.episode import Episodes, one_turn
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
-from m2po_cli.train.colocated import engine_share, rollout, sync_weights
+from m2po_cli.train.colocated import Sampler, engine_share, rollout, sync_weights
 from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
 from tests.probes import require_version
 from tests.rollout.test_weight_sync import logprob_gap, no_record
@@ -48,8 +49,8 @@ class SeenEngine(VLLMEngine):
         super().__init__(*args, **kwargs)
         self.asked: list[dict] = []
 
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[Completion]]:
-        groups = super().generate(prompts, seeds)
+    def generate(self, prompts: list[list[int]], seeds: list[int], max_tokens=None) -> list[list[Completion]]:
+        groups = super().generate(prompts, seeds, max_tokens)
         answers = [[c.token_ids for c in group] for group in groups]
         self.asked.append({"prompts": prompts, "seeds": seeds, "responses": answers})
         return groups
@@ -67,7 +68,8 @@ def train_rollout(engine: SeenEngine, tokenizer, learner) -> dict:
     expected = [p.token_ids for p in next(PromptBatches(problems, tokenizer, recipe.data, 4))]
     engine.asked = []
     with Grader(grader_workers(1)) as grader:
-        batch = rollout(engine, grader, prompts, learner, recipe, no_record(recipe, learner), 0)
+        sampler = Sampler(engine, grader, Episodes.one_turn(recipe))
+        batch = rollout(sampler, prompts, learner, recipe, no_record(recipe, learner), 0)
     tokens = [t.tolist() for t in batch.tokens_N.split(batch.lengths_B.tolist())]
     return {
         "batch_prompts": expected,
@@ -93,7 +95,13 @@ def gathered_batch(engine, tokenizer, recipe, learner, seed: int) -> tuple[Packe
     if learner.rank % tp == 0:
         mine = [prompts[i] for i in share]
         pack = pack_groups(
-            learner.version, share[0] * n, mine, groups, rewards_PG[share], a.normalize_std, a.std_eps
+            learner.version,
+            share[0] * n,
+            mine,
+            one_turn(groups),
+            rewards_PG[share],
+            a.normalize_std,
+            a.std_eps,
         )
     batch = distribute(pack, Schedule.of(recipe))
     return batch, [(i, [c.token_ids for c in g]) for i, g in zip(share, groups, strict=True)]

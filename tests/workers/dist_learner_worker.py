@@ -19,6 +19,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.loss import build_loss
 from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder
+from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import score_at_behaviour_version
@@ -61,7 +62,7 @@ def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollou
             ]
         )
     rewards_PG = torch.randint(0, 2, (num_prompts, n), generator=g).float()
-    return pack_groups(0, 0, prompts, groups, rewards_PG, normalize_std=True, std_eps=1e-6)
+    return pack_groups(0, 0, prompts, one_turn(groups), rewards_PG, normalize_std=True, std_eps=1e-6)
 
 
 def applied_gradients(learner: Learner) -> list[dict[str, torch.Tensor]]:
