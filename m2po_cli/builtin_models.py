@@ -55,6 +55,9 @@ class WarmStart:
     # Worked lines `a+b=X;` written before the boxed answer, a geometric number of them with this
     # mean (0: none). Most answers come out short, some many times longer: a long tail of lengths.
     checks_mean: float = 0.0
+    # The share of examples that call `builtin:calculator` (`calculator_turns`) and box its result;
+    # the others answer at once, right with probability `correct_fraction` (0: no calculator).
+    tool_calls: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,10 +270,23 @@ def warm_start(
         guesses_B = torch.randint(0, max_answer + 1, (ws.batch_size,), generator=gen)
         correct_B = torch.rand(ws.batch_size, generator=gen) < ws.correct_fraction
         labels_B = torch.where(correct_B, operands_BO.sum(1), guesses_B)
-        checks_B = _num_checks(ws, gen)
-        input_ids_BT, labels_BT = _format_batch(
-            tokenizer, operands_BO.tolist(), labels_B.tolist(), checks_B.tolist()
-        )
+        if ws.tool_calls:
+            calls_B = torch.rand(ws.batch_size, generator=gen) < ws.tool_calls
+            examples = [
+                calculator_turns(ops, answer, call)
+                for ops, answer, call in zip(
+                    operands_BO.tolist(), labels_B.tolist(), calls_B.tolist(), strict=True
+                )
+            ]
+        else:
+            checks_B = _num_checks(ws, gen)
+            examples = [
+                answer_turns(ops, answer, checks)
+                for ops, answer, checks in zip(
+                    operands_BO.tolist(), labels_B.tolist(), checks_B.tolist(), strict=True
+                )
+            ]
+        input_ids_BT, labels_BT = _format_batch(tokenizer, examples)
         loss = model(input_ids=input_ids_BT, labels=labels_BT).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -293,28 +309,55 @@ def _num_checks(ws: WarmStart, gen) -> Any:
     return (torch.log(uniform_B) / math.log1p(-stop)).floor().long()
 
 
-def _format_batch(
-    tokenizer: PreTrainedTokenizerFast, operands: list[list[int]], answers: list[int], checks: list[int]
-) -> tuple[Any, Any]:
-    """Right-padded `prompt + (a+b=answer;) x checks + \\boxed{answer}<|im_end|>` ids and labels
-    (-100 outside the response).
+Example = tuple[str, list[tuple[str, bool]]]  # the user's problem; the response's pieces, trained or not
+
+
+def answer_turns(operands: list[int], answer: int, num_checks: int) -> Example:
+    """`(a+b=answer;) x num_checks + \\boxed{answer}<|im_end|>`, all the model's."""
+    problem = "+".join(map(str, operands))
+    worked = f"{problem}={answer};" * num_checks
+    return problem, [(f"{worked}{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", True)]
+
+
+def calculator_turns(operands: list[int], answer: int, call: bool) -> Example:
+    """A call of `builtin:calculator` in the Hermes format, its answer as a `tool` turn (the builtin
+    template's boundary and generation prompt around it, not trained), then the boxed result; or,
+    without `call`, the boxed `answer` at once."""
+    problem = "+".join(map(str, operands))
+    if not call:
+        return problem, [(f"{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", True)]
+    arguments = json.dumps(
+        {"name": "calculator", "arguments": {"expression": problem}}, separators=(",", ":")
+    )
+    result = sum(operands)
+    tool = f"\n{BOS_TOKEN}tool\n{result}{EOS_TOKEN}\n{BOS_TOKEN}assistant\n"
+    return problem, [
+        (f"<tool_call>{arguments}</tool_call>{EOS_TOKEN}", True),
+        (tool, False),
+        (f"{BOXED_TOKEN}{result}}}{EOS_TOKEN}", True),
+    ]
+
+
+def _format_batch(tokenizer: PreTrainedTokenizerFast, examples: list[Example]) -> tuple[Any, Any]:
+    """Right-padded ids of each example's chat prompt and response, and labels: the trained pieces'
+    ids, -100 elsewhere (the prompt, an untrained piece, padding).
 
     Right padding keeps every real token's causal context free of pads, so no attention mask is needed.
     """
     import torch
 
     rows, masks = [], []
-    for ops, answer, num_checks in zip(operands, answers, checks, strict=True):
-        problem = "+".join(map(str, ops))
+    for problem, pieces in examples:
         messages = [{"role": "user", "content": problem}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        worked = f"{problem}={answer};" * num_checks
-        response_ids = tokenizer.encode(
-            f"{worked}{BOXED_TOKEN}{answer}}}{EOS_TOKEN}", add_special_tokens=False
-        )
-        rows.append(prompt_ids + response_ids)
-        masks.append([False] * len(prompt_ids) + [True] * len(response_ids))
+        row, mask = list(prompt_ids), [False] * len(prompt_ids)
+        for text, trained in pieces:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            row += ids
+            mask += [trained] * len(ids)
+        rows.append(row)
+        masks.append(mask)
     num_tokens = max(map(len, rows))
     input_ids_BT = torch.full((len(rows), num_tokens), tokenizer.pad_token_id)
     labels_BT = torch.full((len(rows), num_tokens), -100)
