@@ -65,6 +65,7 @@ def _sample(g: torch.Generator, update: int, staleness: int) -> Sample:
         lengths_R=torch.full((rows,), RESPONSE),
         advantages_R=torch.randn(rows, generator=g),
         staleness_N=torch.full((n,), staleness),
+        turn_N=torch.zeros(n, dtype=torch.long),
         update_R=torch.full((rows,), update),
         row_R=torch.arange(rows),
         scored_R=torch.ones(rows, dtype=torch.bool),

@@ -18,6 +18,10 @@ files with a chat template; transformers, torchtitan's state-dict adapters and v
     format (see `builtin_models.warm_start`), so that a quickstart run shows RL learning within minutes on a CPU.
     The quickstart uses the untied one: the tied one learns the format but not the weak prior (its
     digit embeddings double as output rows), and GRPO from there stalls like from a format-only model.
+  - `builtin:tiny-qwen3-calculator`: the untied one, warm-started on three-digit sums it cannot do in
+    its head: half the time it calls `builtin:calculator` (`<tool_call>{"name":"calculator",...}`,
+    copying the sum into the call, often wrongly) and boxes the tool's answer, half the time it
+    guesses. The tools quickstart's model (`recipes/tools-quickstart.toml`).
   - `builtin:tiny-qwen3-long-tail`: the untied one, warm-started to write a geometric number of worked
     lines (`3+4=7;`, 4 on average) before its boxed answer: most answers short, some many times
     longer, some cut at `rollout.max_new_tokens`, as reasoning answers are. The workload where a
@@ -56,6 +60,10 @@ BUILTINS: dict[str, TinyQwen3 | SmolLM2Gguf] = {
     "builtin:tiny-qwen3-untied": TinyQwen3(tie_word_embeddings=False),
     "builtin:tiny-qwen3-long-tail": TinyQwen3(
         tie_word_embeddings=False, warm_start=WarmStart(checks_mean=4.0, steps=600)
+    ),
+    "builtin:tiny-qwen3-calculator": TinyQwen3(
+        tie_word_embeddings=False,
+        warm_start=WarmStart(max_operand=999, correct_fraction=0.0, tool_calls=0.5, steps=400, batch_size=64),
     ),
     "builtin:smollm2-135m-instruct": SmolLM2Gguf(),
 }

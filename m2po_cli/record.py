@@ -13,6 +13,7 @@ Layout (R recorded sequences; N their response tokens, packed sequence after seq
     logprobs_N            float32  the learner's at the update, before it
     entropy_N             float32  the learner's entropy at the update, at the sampling temperature
     staleness_N           int64    updates between the version that sampled the token and the update
+    turn_N                int64    the episode's model turn the token belongs to (0: the first)
     lengths_R             int64    response tokens of each sequence
     advantages_R          float32  its advantage
     update_R              int64    the update (the policy version it starts from)
@@ -39,10 +40,18 @@ from torch import Tensor
 from m2po_cli.config import InspectConfig
 from m2po_cli.errors import UserError
 
-FORMAT = "m2po-inspect-2"
+FORMAT = "m2po-inspect-3"
+FORMAT_2 = "m2po-inspect-2"  # before episodes: read, every token of the first turn
 FORMAT_1 = "m2po-inspect-1"  # staleness per sequence (`staleness_R`): read, each token given its row's
 DIR = "inspect"
-TOKEN_FIELDS = ("behaviour_logprobs_N", "learner_logprobs_N", "logprobs_N", "entropy_N", "staleness_N")
+TOKEN_FIELDS = (
+    "behaviour_logprobs_N",
+    "learner_logprobs_N",
+    "logprobs_N",
+    "entropy_N",
+    "staleness_N",
+    "turn_N",
+)
 ROW_FIELDS = ("lengths_R", "advantages_R", "update_R", "row_R", "scored_R")
 
 
@@ -59,6 +68,7 @@ class Sample:
     logprobs_N: Tensor
     entropy_N: Tensor
     staleness_N: Tensor
+    turn_N: Tensor
     lengths_R: Tensor
     advantages_R: Tensor
     update_R: Tensor
@@ -208,10 +218,12 @@ def _read(path: Path) -> tuple[Sample, int, list[dict]]:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError) as e:
         raise RecordError(f"{path}: unreadable record, partly written or damaged ({e})") from None
-    if metadata.get("format") not in (FORMAT, FORMAT_1):
+    if metadata.get("format") not in (FORMAT, FORMAT_2, FORMAT_1):
         raise RecordError(f"{path}: not an m2po inspect record (format {metadata.get('format')!r})")
     if metadata["format"] == FORMAT_1 and {"staleness_R", "lengths_R"} <= tensors.keys():
         tensors["staleness_N"] = tensors.pop("staleness_R").repeat_interleave(tensors["lengths_R"])
+    if metadata["format"] != FORMAT and "staleness_N" in tensors:
+        tensors["turn_N"] = torch.zeros_like(tensors["staleness_N"])
     fields = TOKEN_FIELDS + ROW_FIELDS
     sample = Sample(**{f: tensors[f] for f in fields}) if all(f in tensors for f in fields) else None
     if sample is None or not _consistent(sample):

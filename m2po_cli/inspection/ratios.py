@@ -86,6 +86,7 @@ class Tokens:
     entropy_N: Tensor
     advantages_N: Tensor
     staleness_N: Tensor
+    turn_N: Tensor  # the episode's model turn, from 0
     mismatch_N: Tensor  # learner at the generating version - engine (scored rows only)
     drift_N: Tensor  # current - learner at the generating version (scored rows only)
     scored_N: Tensor  # bool
@@ -101,6 +102,7 @@ def tokens_of(records: Records, behaviour: str) -> Tokens:
         entropy_N=s.entropy_N,
         advantages_N=per_token(s.advantages_R),
         staleness_N=s.staleness_N,
+        turn_N=s.turn_N,
         mismatch_N=s.learner_logprobs_N - s.behaviour_logprobs_N,
         drift_N=s.logprobs_N - s.learner_logprobs_N,
         scored_N=per_token(s.scored_R),
@@ -205,12 +207,16 @@ def analyse(
         "as_trained": _as_trained(records, run_loss),
     }
     report["all"] = _bucket_stats(tokens, torch.ones_like(bucket_N, dtype=torch.bool))
+    turns = sorted(tokens.turn_N.unique().tolist())
+    if len(turns) > 1:  # episodes of several turns: each turn's tokens apart
+        report["turns"] = [_bucket_stats(tokens, tokens.turn_N == t) | {"bucket": str(t + 1)} for t in turns]
     acted = {}
     for cfg in rules:
         acted_N, per_update = acted_on(cfg, records, behaviour)
-        report["rules"].append(
-            _rule_report(cfg, cfg == run_loss, acted_N, per_update, tokens, bucket_N, names)
-        )
+        rule = _rule_report(cfg, cfg == run_loss, acted_N, per_update, tokens, bucket_N, names)
+        if len(turns) > 1:
+            rule["frac_by_turn"] = {str(t + 1): _share(acted_N, tokens.turn_N == t) for t in turns}
+        report["rules"].append(rule)
         acted[rule_name(cfg)] = acted_N
     return report, acted
 
@@ -240,10 +246,15 @@ def _bucket_stats(tokens: Tokens, in_N: Tensor) -> dict:
     }
 
 
+def _share(acted_N: Tensor, where_N: Tensor) -> float | None:
+    """The share of the tokens `where_N` that a rule acts on (None: no such token)."""
+    n = int(where_N.sum())
+    return int((acted_N & where_N).sum()) / n if n else None
+
+
 def _rule_report(cfg, is_run_loss, acted_N, per_update, tokens, bucket_N, names) -> dict:
     def frac(where_N: Tensor) -> float | None:
-        n = int(where_N.sum())
-        return int((acted_N & where_N).sum()) / n if n else None
+        return _share(acted_N, where_N)
 
     def m2_after() -> float | None:  # pooled over updates: trust-region tokens kept
         kept = [(u["m2po/m2_after"], u["m2po/num_trust_region"] - u["acted"]) for u in per_update]

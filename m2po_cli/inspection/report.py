@@ -30,10 +30,21 @@ def header(report: dict, run_dir: str, loss: str) -> str:
 
 
 def staleness_table(report: dict) -> Table:
-    t = Table(title="log r by staleness (in updates)", title_justify="left")
-    for name in ("s", "updates", "tokens", "rms log r", "mismatch", "drift", "ESS/N", "M2 TR"):
-        t.add_column(name, justify="left" if name == "s" else "right", no_wrap=True)
-    for row in report["staleness"] + [{**report["all"], "bucket": "all"}]:
+    return _log_r_table(report["staleness"], report["all"], "log r by staleness (in updates)", "s")
+
+
+def turns_table(report: dict) -> Table | None:
+    """Episodes of several turns: log r of each model turn's tokens."""
+    if "turns" not in report:
+        return None
+    return _log_r_table(report["turns"], report["all"], "log r by the episode's model turn", "turn")
+
+
+def _log_r_table(rows: list[dict], all_row: dict, title: str, first: str) -> Table:
+    t = Table(title=title, title_justify="left")
+    for name in (first, "updates", "tokens", "rms log r", "mismatch", "drift", "ESS/N", "M2 TR"):
+        t.add_column(name, justify="left" if name == first else "right", no_wrap=True)
+    for row in rows + [{**all_row, "bucket": "all"}]:
         t.add_row(
             row["bucket"],
             str(row["num_updates"]),
@@ -43,7 +54,7 @@ def staleness_table(report: dict) -> Table:
             _num(row["rms_drift"]),
             _num(row["ess_frac"], ".3f"),
             _num(row["m2_trust_region"], ".5f"),
-            end_section=row["bucket"] == report["staleness"][-1]["bucket"],
+            end_section=row["bucket"] == rows[-1]["bucket"],
         )
     return t
 
@@ -82,12 +93,27 @@ def rules_table(report: dict) -> Table:
 
 def rules_by_staleness_table(report: dict) -> Table:
     buckets = [row["bucket"] for row in report["staleness"]]
-    t = Table(title="the same, by staleness (% of the tokens at s)", title_justify="left")
+    return _rules_by(
+        report, "frac_by_staleness", buckets, "the same, by staleness (% of the tokens at s)", "s"
+    )
+
+
+def rules_by_turn_table(report: dict) -> Table | None:
+    if "turns" not in report:
+        return None
+    turns = [row["bucket"] for row in report["turns"]]
+    return _rules_by(
+        report, "frac_by_turn", turns, "the same, by model turn (% of the turn's tokens)", "turn"
+    )
+
+
+def _rules_by(report: dict, key: str, groups: list[str], title: str, prefix: str) -> Table:
+    t = Table(title=title, title_justify="left")
     t.add_column("rule", no_wrap=True)
-    for b in buckets:
-        t.add_column(f"s {b}", justify="right")
+    for g in groups:
+        t.add_column(f"{prefix} {g}", justify="right")
     for rule in report["rules"]:
-        t.add_row(_rule_label(rule), *(_pct(rule["frac_by_staleness"][b]) for b in buckets))
+        t.add_row(_rule_label(rule), *(_pct(rule[key][g]) for g in groups))
     return t
 
 
@@ -129,7 +155,16 @@ def print_whole(console: Console, table: Table) -> None:
 
 def show(report: dict, run_dir: str, loss: str, console: Console) -> None:
     console.print(header(report, run_dir, loss), soft_wrap=True)
-    tables = (staleness_table, quantile_table, rules_table, rules_by_staleness_table, entropy_table)
+    tables = (
+        staleness_table,
+        turns_table,
+        quantile_table,
+        rules_table,
+        rules_by_staleness_table,
+        rules_by_turn_table,
+        entropy_table,
+    )
     for table in tables:
-        print_whole(console, table(report))
+        if (shown := table(report)) is not None:
+            print_whole(console, shown)
     console.print(NOTES, style="dim")

@@ -105,14 +105,28 @@ class PackedRollouts:
         return trained_B.index_add_(0, owner_R, self.trained_R.long())
 
     @property
-    def turns_B(self) -> Tensor:
-        """The model turns of each row's episode: its runs of trained tokens (1 for a one-turn row)."""
+    def turn_R(self) -> Tensor:
+        """The model turn of each response token, from 0 (an environment's token: the turn before it)."""
         before_R = torch.zeros_like(self.trained_R)  # the token before is trained, in the same row
         before_R[1:] = self.trained_R[:-1]
-        before_R[self.response_offsets()[:-1][self.response_len_B > 0]] = False
-        starts_R = self.trained_R & ~before_R
+        firsts_B = self.response_offsets()[:-1][self.response_len_B > 0]
+        before_R[firsts_B] = False
+        starts_R = (self.trained_R & ~before_R).long()
+        count_R = starts_R.cumsum(0)  # turns started so far, over all rows
         owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
-        return torch.zeros(self.num_rows, dtype=torch.long).index_add_(0, owner_R, starts_R.long())
+        earlier_B = torch.nn.functional.pad(count_R, (1, 0))[self.response_offsets()[:-1]]
+        return (count_R - earlier_B[owner_R] - 1).clamp(min=0)
+
+    @property
+    def turns_B(self) -> Tensor:
+        """The model turns of each row's episode (1 for a one-turn row)."""
+        if not self.num_rows:
+            return torch.zeros(0, dtype=torch.long)
+        last_R = self.response_offsets()[1:] - 1
+        turns_B = torch.zeros(self.num_rows, dtype=torch.long)
+        has = self.response_len_B > 0
+        turns_B[has] = self.turn_R[last_R[has]] + 1
+        return turns_B
 
     @property
     def num_bytes(self) -> int:

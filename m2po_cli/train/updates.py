@@ -177,6 +177,7 @@ def record_sample(
         logprobs_N=logprobs_BL[mask_BL],
         entropy_N=entropy_BL[mask_BL],
         staleness_N=staleness_R[batch.trained_index(mine_K)],
+        turn_N=batch.turn_R[batch.trained_index(mine_K)],
         lengths_R=rows.trained_len_B,
         advantages_R=rows.advantages_B,
         update_R=per_row(learner.version),

@@ -301,6 +301,7 @@ def sample(update: int, lengths: list[int]) -> Sample:
         lengths_R=torch.tensor(lengths),
         advantages_R=torch.randn(r, generator=g),
         staleness_N=torch.full((n,), 3),
+        turn_N=torch.zeros(n, dtype=torch.long),
         update_R=torch.full((r,), update),
         row_R=torch.arange(r),
         scored_R=torch.ones(r, dtype=torch.bool),
@@ -420,3 +421,44 @@ def test_replayed_tokens_are_bucketed_by_age_apart_from_fresh_ones():
     assert names == ["0", "4", "replayed 1", "replayed 4-5", "replayed 20"]
     assert bucket_N.tolist() == [0, 0, 1, 2, 3, 3, 4]
     assert staleness_buckets(staleness_N)[1] == ["0", "1", "4-5", "20"]
+
+
+def test_episodes_of_several_turns_are_split_by_turn(tmp_path):
+    """Each model turn's tokens get their own log r row and each rule its share per turn, counted
+    literally; records written before episodes load with every token in the first turn."""
+    from rich.console import Console
+
+    from m2po_cli.inspection.report import show
+
+    recorder = Recorder(tmp_path, InspectConfig(every=1, tokens=0), seed=0, rank=0, world=1)
+    recorder.pick(0, 0, [0, 1, 2], [5, 2, 7])
+    turns = sample(0, [5, 2, 7])
+    turns.turn_N = torch.tensor([0, 0, 1, 1, 1] + [0, 0] + [0, 1, 1, 2, 2, 2, 2])
+    recorder.add(turns, {"loss/clip_frac": 0.0, "loss/num_tokens": 14.0})
+    recorder.write(0)
+    report, acted = analyse(load_records(tmp_path), M2POLoss(tau=0.01), "engine")
+    assert [(t["bucket"], t["num_tokens"]) for t in report["turns"]] == [("1", 5), ("2", 5), ("3", 4)]
+    log_ratio = turns.logprobs_N - turns.behaviour_logprobs_N
+    in_2 = turns.turn_N == 1
+    assert report["turns"][1]["rms_log_ratio"] == pytest.approx(float(log_ratio[in_2].square().mean().sqrt()))
+    for rule in report["rules"]:
+        done = acted[rule["rule"]]
+        for t in range(3):
+            where = turns.turn_N == t
+            assert rule["frac_by_turn"][str(t + 1)] == int((done & where).sum()) / int(where.sum())
+    console = Console(record=True, width=200)
+    show(report, str(tmp_path), "m2po", console)
+    text = console.export_text()
+    assert "log r by the episode's model turn" in text and "the same, by model turn" in text
+
+    from safetensors.torch import save_file
+
+    before = sample(0, [5, 2, 7]).tensors()  # written before episodes: format 2, no turn_N
+    del before["turn_N"]
+    path = step_path(tmp_path / "old", 0)
+    path.parent.mkdir(parents=True)
+    save_file(before, str(path), metadata={"format": "m2po-inspect-2", "step": "0", "updates": "[]"})
+    records = load_records(tmp_path / "old")
+    assert records.sample.turn_N.tolist() == [0] * 14
+    report, _ = analyse(records, M2POLoss(tau=0.01), "engine")
+    assert "turns" not in report  # one turn: no turn table

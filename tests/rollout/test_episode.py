@@ -48,8 +48,7 @@ def setup(tmp_path_factory):
     tokenizer = load_tokenizer(model_dir)
     episodes = build_episodes(recipe, tokenizer, model_dir)
     prompts = [
-        Prompt(Problem(i, q, a), encode_prompt(tokenizer, TEMPLATE, q))
-        for i, (q, a) in enumerate(PROBLEMS)
+        Prompt(Problem(i, q, a), encode_prompt(tokenizer, TEMPLATE, q)) for i, (q, a) in enumerate(PROBLEMS)
     ]
     seeds = [request_seed(recipe.run.seed, 0, i) for i in range(len(prompts))]
     engine = VLLMEngine(model_dir, recipe.rollout, "float32", recipe.max_model_len)

@@ -22,8 +22,9 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.
 NUM_PROBLEMS, PER_STEP, STEPS, MAX_STALENESS = 48, 8, 10, 2
 
 
-def command(out: Path) -> list[str]:
+def command(out: Path, *extra: str) -> list[str]:
     sets = [
+        *extra,
         f'run.output_dir="{out}"',
         f"run.steps={STEPS}",
         f"rollout.prompts_per_step={PER_STEP}",
@@ -63,31 +64,30 @@ def wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
-def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
+def killed_at(tmp_path: Path, step: int, extra: tuple[str, ...] = ()) -> None:
+    """Start the run (resuming what is there) and SIGKILL its process group once step `step` has
+    taken its rollouts; check that nothing of it survives."""
     run_dir = tmp_path / "quickstart-separate"
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
-    with open(tmp_path / "first.log", "wb") as log:
-        first = subprocess.Popen(command(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)  # fmt: skip
+    with open(tmp_path / f"killed-at-{step}.log", "wb") as log:
+        run = subprocess.Popen(command(tmp_path, *extra), stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)  # fmt: skip
         try:
-            # Kill mid-step: after the step-3 checkpoint, once step 4 has taken its rollouts.
             wait_for(
-                lambda: any(r["step"] >= 4 for r in records(run_dir, "trained_prompts.jsonl")), 900, first
+                lambda: any(r["step"] >= step for r in records(run_dir, "trained_prompts.jsonl")), 900, run
             )
-            members = group_members(first.pid)
+            members = group_members(run.pid)
             assert any("api_server" in " ".join(p.cmdline()) for p in members), "no engine in the run's group"
         finally:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
     deadline = time.monotonic() + 10
-    while group_members(first.pid) and time.monotonic() < deadline:
+    while group_members(run.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not group_members(first.pid), "processes of the killed run are still alive"
+    assert not group_members(run.pid), "processes of the killed run are still alive"
 
-    second = subprocess.run(command(tmp_path), capture_output=True, text=True, env=env, timeout=900)
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "regenerating" in second.stdout + second.stderr
 
+def check_every_prompt_trained_once(run_dir: Path) -> None:
     steps_recorded = [r["step"] for r in records(run_dir, "trained_prompts.jsonl")]
     assert steps_recorded == list(range(STEPS)), "the resumed run kept records of steps it trained again"
     last_per_step = {r["step"]: r for r in records(run_dir, "trained_prompts.jsonl")}
@@ -100,8 +100,34 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
         trained_at = [r["version"] + j // PER_STEP for j in range(PER_STEP)]
         assert all(0 <= t - v <= MAX_STALENESS for t, v in zip(trained_at, r["versions"], strict=True))
     steps = records(run_dir, "metrics.jsonl")
-    assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
+    assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)  # every trained token's own version
     assert sum(m["rollout/regenerated"] for m in steps) == 0, "a weight sync threw work away"
+
+
+def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
+    # Killed mid-step: after the step-3 checkpoint, once step 4 has taken its rollouts.
+    killed_at(tmp_path, 4)
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    second = subprocess.run(command(tmp_path), capture_output=True, text=True, env=env, timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "regenerating" in second.stdout + second.stderr
+    check_every_prompt_trained_once(tmp_path / "quickstart-separate")
+
+
+def test_episodes_killed_twice_mid_episode_resume_with_every_prompt_trained_once(tmp_path):
+    # Multi-turn episodes (wrong answers are sent back, up to 3 attempts), killed while groups are in
+    # the middle of their episodes, twice; every token's staleness stays within the bound.
+    episodes = ('env.name="builtin:retry"', "env.max_turns=3", "env.max_tokens=300")
+    killed_at(tmp_path, 4, episodes)
+    killed_at(tmp_path, 7, episodes)
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    last = subprocess.run(command(tmp_path, *episodes), capture_output=True, text=True, env=env, timeout=900)
+    assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    run_dir = tmp_path / "quickstart-separate"
+    check_every_prompt_trained_once(run_dir)
+    steps = records(run_dir, "metrics.jsonl")
+    assert max(m["env/turns_mean"] for m in steps) > 1.5, "the episodes were not multi-turn"
+    assert all(m["env/env_tokens_mean"] > 0 for m in steps)
 
 
 def test_an_engine_synced_every_few_updates_lags_and_the_bound_still_holds(tmp_path):

@@ -147,6 +147,15 @@ def test_the_records_and_rollout_metrics_count_only_trained_tokens(updated):
         assert length == int(pack.trained_R[pack.response_index(torch.tensor([b]))].sum())
     trained = torch.cat([pack.trained_index(torch.tensor([b])) for b in rows])
     assert torch.equal(record["behaviour_logprobs_N"], pack.behaviour_R[trained])
+    turns = []  # literal: the model turn of each trained token, row after row
+    for b in rows:
+        flags = pack.trained_R[pack.response_index(torch.tensor([b]))].tolist()
+        turn = -1
+        for k, flag in enumerate(flags):
+            turn += flag and (k == 0 or not flags[k - 1])
+            if flag:
+                turns.append(turn)
+    assert record["turn_N"].tolist() == turns and max(turns) == 2
     assert torch.allclose(record["logprobs_N"], current_R[trained], atol=1e-5)
     assert (record["staleness_N"] <= 1).all()
     means = rollout_metrics(pack)
