@@ -3,8 +3,8 @@
 The eval path is everything `m2po eval` does per checkpoint once its engine and grader are up:
 tokenize the prompts through the chat template, submit them, grade every sample as it finishes and
 append it to the cache files, then compute the scores. The raw path is one `LLM.generate` call on
-the same token ids with the same sampling parameters. Both start from the same seed and an empty
-prefix cache, so they sample the same tokens (checked): the work is equal and the ratio measures
+the same token ids with the same sampling parameters, each sample its own request with the eval's
+seed. Both start from an empty prefix cache and sample the same tokens (checked): the work is equal and the ratio measures
 the eval's overhead. Engine and grader start-up, the same for both, are not timed. Prints samples/s
 of each (best of `--repeats`, interleaved) and the ratio; exits 1 below 0.9.
 
@@ -24,13 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from m2po_cli.eval.config import load_benchmarks, load_eval_config
 from m2po_cli.eval.data import load_problems
-from m2po_cli.eval.evaluate import build_eval_llm, context_length, plan_target, run_jobs, sampling_params
+from m2po_cli.eval.evaluate import build_eval_llm, context_length, plan_target, run_jobs
 from m2po_cli.eval.report import summarize_benchmark
+from m2po_cli.eval.sampling import sample_seed, sampling_params
 from m2po_cli.eval.targets import Target
 from m2po_cli.grader import Grader
 from m2po_cli.models import resolve_model
@@ -43,8 +43,9 @@ def raw_generate(llm, jobs, protocol) -> tuple[float, int]:
     """(seconds, generated tokens) of one `LLM.generate` over the jobs' prompts."""
     from vllm import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=j.prompt_ids) for j in jobs]
-    params = [sampling_params(protocol, len(j.samples), j.max_tokens) for j in jobs]
+    samples = [(j, i) for j in jobs for i in j.samples]  # each its own seeded request, as the eval sends
+    prompts = [TokensPrompt(prompt_token_ids=j.prompt_ids) for j, _ in samples]
+    params = [sampling_params(protocol, sample_seed(protocol, j, i), j.max_tokens) for j, i in samples]
     _reset(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -52,16 +53,16 @@ def raw_generate(llm, jobs, protocol) -> tuple[float, int]:
     return seconds, sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
 
-def eval_path(llm, grader, target, model_dir, specs, problems, protocol) -> tuple[float, int, int]:
+def eval_path(llm, grader, target, model_dir, specs, problems, cfg) -> tuple[float, int, int]:
     """(seconds, generated tokens, samples with a box) of the eval's plan, generate-and-grade and
     summary, from an empty cache."""
     quiet = Console(quiet=True)
     with tempfile.TemporaryDirectory() as out:
         _reset(llm)
         start = time.perf_counter()
-        plans = plan_target(target, model_dir, specs, problems, protocol, Path(out), None)
+        plans = plan_target(target, model_dir, specs, problems, cfg, Path(out), None)
         jobs = [j for p in plans for j in p.jobs]
-        run_jobs(llm, grader, jobs, protocol, {p.spec.name: p for p in plans}, quiet)
+        run_jobs(llm, grader, jobs, cfg.protocol, {p.spec.name: p for p in plans}, quiet)
         for p in plans:
             summarize_benchmark(p)
         seconds = time.perf_counter() - start
@@ -71,7 +72,6 @@ def eval_path(llm, grader, target, model_dir, specs, problems, protocol) -> tupl
 
 def _reset(llm) -> None:
     llm.reset_prefix_cache()
-    torch.manual_seed(0)  # the engine runs in this process: same seed, same schedule, same samples
 
 
 def main() -> int:
@@ -92,16 +92,16 @@ def main() -> int:
     problems = {args.benchmark: load_problems(specs[0], args.data_dir)[: args.problems]}
     model_dir = resolve_model(args.model)
     target = Target(args.model, "model", str(model_dir))
-    llm = build_eval_llm(model_dir, cfg.engine, context_length(model_dir, cfg.protocol))
+    llm = build_eval_llm(model_dir, cfg.engine, context_length(model_dir, cfg))
     with Grader(cfg.grader.workers, cfg.grader.timeout_s) as grader:
         # The prompts, token for token, as the eval builds them.
         with tempfile.TemporaryDirectory() as out:
-            (plan,) = plan_target(target, model_dir, specs, problems, cfg.protocol, Path(out), None)
+            (plan,) = plan_target(target, model_dir, specs, problems, cfg, Path(out), None)
         raw_generate(llm, plan.jobs[:1], cfg.protocol)  # warm-up
         raw_runs, eval_runs = [], []
         for i in range(args.repeats):
             raw_runs.append(raw_generate(llm, plan.jobs, cfg.protocol))
-            eval_runs.append(eval_path(llm, grader, target, model_dir, specs, problems, cfg.protocol))
+            eval_runs.append(eval_path(llm, grader, target, model_dir, specs, problems, cfg))
             print(f"repeat {i}: raw {raw_runs[-1][0]:.2f} s, eval {eval_runs[-1][0]:.2f} s", flush=True)
     llm.llm_engine.engine_core.shutdown()
 

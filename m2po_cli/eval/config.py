@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from m2po_cli.config import PAPER_PROMPT_TEMPLATE, EngineTable, check_template
+from m2po_cli.config import PAPER_PROMPT_TEMPLATE, EngineTable, EnvConfig, check_template
 from m2po_cli.config.tables import ConfigError, Table, field, load
 
 EVALS_DIR = Path(__file__).resolve().parents[2] / "evals"
@@ -45,6 +45,12 @@ class Protocol(Table):
         None,
         "Samples per problem for every benchmark; unset: each benchmark's own (AIME 16, others 4).",
         ge=1,
+    )
+    seed: int = field(
+        0,
+        "Seed of every sample: each is its own request, seeded by this, the benchmark, the problem and "
+        "the sample's index, so results repeat exactly and a resumed evaluation samples what it would have.",
+        ge=0,
     )
 
     @model_validator(mode="after")
@@ -83,6 +89,11 @@ class EvalConfig(Table):
     data: DataOptions = field(DataOptions(), "Where the benchmark problems are read from.")
     engine: EngineOptions = field(EngineOptions(), "vLLM engine settings.")
     grader: GraderOptions = field(GraderOptions(), "Grader pool settings.")
+    env: EnvConfig = field(
+        EnvConfig(),
+        "The environment every sample runs in, as in training's `[env]` (empty: one prompt, one answer); "
+        "part of the cache's key.",
+    )
 
 
 class HubSource(Table):

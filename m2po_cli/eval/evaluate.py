@@ -27,15 +27,17 @@ from typing import Any
 
 from rich.console import Console
 from rich.measure import Measurement
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from m2po_cli.answers import extract_boxed
 from m2po_cli.data import DataError
 from m2po_cli.eval.config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
 from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, digest
+from m2po_cli.eval.episodes import as_row, run_episodes
 from m2po_cli.eval.report import markdown_table, rich_table, summarize_benchmark, summarize_target
+from m2po_cli.eval.sampling import progress_bars, sample_seed, sampling_params
 from m2po_cli.eval.targets import Target, TargetError, stable_hash
 from m2po_cli.grader import Grader
+from m2po_cli.rollout.episode import Episodes, episodes_of
 from m2po_cli.rollout.settings import is_finished
 
 GRADE_CHUNK = 256  # samples graded per call while the engine runs
@@ -121,14 +123,19 @@ def evaluate_target(
     target_dir.mkdir(parents=True, exist_ok=True)
     info = {"label": target.label, "kind": target.kind, "path": target.path, "model_dir": str(model_dir)}
     (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
-    plans = plan_target(target, model_dir, specs, problems, cfg.protocol, target_dir, limit)
+    episodes = target_episodes(cfg, model_dir, target.path)
+    plans = plan_target(target, model_dir, specs, problems, cfg, target_dir, limit)
     jobs = [job for plan in plans for job in plan.jobs]
     _report_plan(console, target.label, plans, jobs)
     if jobs:
         if not graders:
             graders.append(Grader(cfg.grader.workers, cfg.grader.timeout_s))
-        engine.load(model_dir, context_length(model_dir, cfg.protocol))
-        run_jobs(engine.llm, graders[0], jobs, cfg.protocol, {p.spec.name: p for p in plans}, console)
+        engine.load(model_dir, context_length(model_dir, cfg))
+        by_name = {p.spec.name: p for p in plans}
+        if episodes.multi_turn:
+            run_episodes(engine.llm, graders[0], jobs, cfg.protocol, by_name, console, episodes)
+        else:
+            run_jobs(engine.llm, graders[0], jobs, cfg.protocol, by_name, console)
     summary = summarize_target(info, {p.spec.name: summarize_benchmark(p) for p in plans})
     (target_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -137,10 +144,20 @@ def evaluate_target(
 # --- planning ------------------------------------------------------------------------------------
 
 
-def context_length(model_dir: Path, protocol: Protocol) -> int:
-    """The engine's context: prompt budget + response budget, capped at the model's own limit."""
+def target_episodes(cfg: EvalConfig, model_dir: Path, name: str) -> Episodes:
+    """The episodes every sample of a target runs (`[env]`; one turn without), checked before sampling."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return episodes_of(cfg.env, cfg.protocol.max_new_tokens, tokenizer, model_dir, name)
+
+
+def context_length(model_dir: Path, cfg: EvalConfig) -> int:
+    """The engine's context: prompt budget + response budget (an episode's, with `[env]`), capped at
+    the model's own limit."""
     config = json.loads((model_dir / "config.json").read_text())
-    wanted = protocol.max_prompt_tokens + protocol.max_new_tokens
+    protocol = cfg.protocol
+    wanted = protocol.max_prompt_tokens + cfg.env.episode_tokens(protocol.max_new_tokens)
     # Architectures without this key state their context otherwise; vLLM rejects a `wanted` beyond it.
     return min(wanted, config.get("max_position_embeddings", wanted))
 
@@ -150,7 +167,7 @@ def plan_target(
     model_dir: Path,
     specs: list[BenchmarkSpec],
     problems: dict[str, list[EvalProblem]],
-    protocol: Protocol,
+    cfg: EvalConfig,
     target_dir: Path,
     limit: int | None,
 ) -> list[BenchPlan]:
@@ -158,13 +175,16 @@ def plan_target(
 
     from m2po_cli.data import encode_prompt
 
+    protocol = cfg.protocol
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    max_len = context_length(model_dir, protocol)
+    episodes = target_episodes(cfg, model_dir, target.path)  # an environment's opening and tools
+    max_len = context_length(model_dir, cfg)
     identity = target.identity()
+    env = [cfg.env.model_dump()] if cfg.env.name else []  # one turn: the key of a run without [env]
     plans = []
     for spec in specs:
         template = protocol.prompt_template or spec.prompt_template
-        key = stable_hash([identity, _sampling(protocol), template, digest(problems[spec.name])])
+        key = stable_hash([identity, _sampling(protocol), template, digest(problems[spec.name]), *env])
         plan = BenchPlan(
             spec,
             problems[spec.name][:limit],
@@ -173,7 +193,8 @@ def plan_target(
         )
         plan.records = read_records(plan.cache)
         for problem in plan.problems:
-            ids = encode_prompt(tokenizer, template, problem.problem)
+            opening = episodes.opening(as_row(problem))
+            ids = encode_prompt(tokenizer, template, problem.problem, opening, episodes.tools)
             room = max_len - len(ids)
             if len(ids) > protocol.max_prompt_tokens or room < 1:
                 plan.skipped.append(problem.id)
@@ -189,7 +210,7 @@ def plan_target(
 
 def _sampling(protocol: Protocol) -> list:
     p = protocol
-    return [p.temperature, p.top_p, p.max_new_tokens, p.max_prompt_tokens]
+    return [p.temperature, p.top_p, p.max_new_tokens, p.max_prompt_tokens, p.seed]
 
 
 def read_records(path: Path) -> dict[tuple[str, int], dict]:
@@ -255,44 +276,32 @@ def build_eval_llm(model_dir: Path, cfg: EngineOptions, max_model_len: int):
     )
 
 
-def sampling_params(protocol: Protocol, n: int, max_tokens: int):
-    """The eval's own sampling: top_p < 1 is allowed here (training's RolloutConfig forbids it)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=n,
-        temperature=protocol.temperature,
-        top_p=protocol.top_p,
-        top_k=0,
-        min_p=0.0,
-        max_tokens=max_tokens,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
 def run_jobs(
     llm, grader: Grader, jobs: list[Job], protocol: Protocol, plans: dict[str, BenchPlan], console: Console
 ) -> None:
-    """Submit every job to the engine at once; grade and append finished samples as they arrive."""
+    """Submit every sample to the engine at once, each its own seeded request (the prompt's KV is
+    computed once, prefix caching); grade and append finished samples as they arrive."""
     from vllm import TokensPrompt
 
-    inputs = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=j.prompt_ids) for j in jobs])
-    for i, (job, engine_input) in enumerate(zip(jobs, inputs, strict=True)):
-        llm.llm_engine.add_request(
-            str(i), engine_input, sampling_params(protocol, len(job.samples), job.max_tokens)
-        )
+    requests = [(i, sample) for i, job in enumerate(jobs) for sample in job.samples]
+    inputs = llm.renderer.render_cmpl(
+        [TokensPrompt(prompt_token_ids=jobs[i].prompt_ids) for i, _ in requests]
+    )
+    for (i, sample), engine_input in zip(requests, inputs, strict=True):
+        job = jobs[i]
+        params = sampling_params(protocol, sample_seed(protocol, job, sample), job.max_tokens)
+        llm.llm_engine.add_request(f"{i}:{sample}", engine_input, params)
     total = sum(len(j.samples) for j in jobs)
-    with _progress(console) as progress:
+    with progress_bars(console) as progress:
         generated = progress.add_task("generated", total=total)
         graded = progress.add_task("graded", total=total)
         finished: list[tuple[Job, int, Any]] = []
         while llm.llm_engine.has_unfinished_requests():
             for out in llm.llm_engine.step():
                 if out.finished:
-                    job = jobs[int(out.request_id)]
-                    finished.extend(zip([job] * len(job.samples), job.samples, out.outputs, strict=True))
-                    progress.advance(generated, len(out.outputs))
+                    i, sample = map(int, out.request_id.split(":"))
+                    finished.append((jobs[i], sample, out.outputs[0]))
+                    progress.advance(generated, 1)
             if len(finished) >= GRADE_CHUNK or (finished and not llm.llm_engine.has_unfinished_requests()):
                 grade_and_append(grader, finished, plans, lambda k: progress.advance(graded, k))
                 finished = []
@@ -320,17 +329,6 @@ def grade_and_append(
         with open(plans[bench].cache, "a") as f:
             f.write("".join(bench_lines))
     advance(len(finished))
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description:>9}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("samples"),
-        TimeElapsedColumn(),
-        console=console,
-    )
 
 
 def _report_plan(console: Console, label: str, plans: list[BenchPlan], jobs: list[Job]) -> None:

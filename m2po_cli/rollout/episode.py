@@ -251,15 +251,20 @@ def sample_episodes(
 
 
 def build_episodes(recipe: Recipe, tokenizer: Any, model_dir: Path) -> Episodes:
-    """The run's episodes from `[env]`: the environment class loaded and checked, the chat template
-    checked for turn-by-turn rendering (`ChatTurns.check`). Cheap; raises a UserError in one line."""
-    cfg = recipe.env
+    """The run's episodes from `[env]` (`episodes_of`)."""
+    return episodes_of(recipe.env, recipe.rollout.max_new_tokens, tokenizer, model_dir, recipe.model.path)
+
+
+def episodes_of(cfg: EnvConfig, max_new_tokens: int, tokenizer: Any, model_dir: Path, model: str) -> Episodes:
+    """Episodes of `cfg` for the model in `model_dir` (named `model`): the environment class loaded
+    and checked, the chat template checked for turn-by-turn rendering (`ChatTurns.check`). Cheap;
+    raises a UserError in one line. Training and `m2po eval` both build theirs here."""
     if not cfg.name:
-        return Episodes.one_turn(recipe)
+        return Episodes(cfg, max_new_tokens, None, None)
     env = load_environment(cfg.name)
-    chat = ChatTurns(tokenizer, end_of_turn_ids(model_dir, tokenizer), recipe.model.path, env.schemas)
+    chat = ChatTurns(tokenizer, end_of_turn_ids(model_dir, tokenizer), model, env.schemas)
     chat.check()
-    return Episodes(cfg, recipe.rollout.max_new_tokens, env, chat)
+    return Episodes(cfg, max_new_tokens, env, chat)
 
 
 def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:

@@ -98,7 +98,7 @@ def test_protocol_defaults_are_the_papers():
         (
             ["protocol.tmperature=1"],
             "protocol.tmperature: unknown key; expected one of prompt_template, temperature, top_p, "
-            "max_new_tokens, max_prompt_tokens, samples",
+            "max_new_tokens, max_prompt_tokens, samples, seed",
         ),
         (["data.dri=1"], "data.dri: unknown key; expected one of dir"),
         (['protocol.prompt_template="no slot"'], "protocol.prompt_template: must contain {problem}"),
@@ -257,12 +257,8 @@ def test_prompts_that_do_not_fit_are_skipped_and_long_responses_clamped(tmp_path
         ]
     }
     (spec,) = load_benchmarks(["aime24"])
-    protocol = load_eval_config(
-        None, ['protocol.prompt_template="{problem}"', "protocol.max_new_tokens=64"]
-    ).protocol
-    (plan,) = plan_target(
-        Target("tiny", "model", str(tiny)), tiny, [spec], problems, protocol, tmp_path, None
-    )
+    cfg = load_eval_config(None, ['protocol.prompt_template="{problem}"', "protocol.max_new_tokens=64"])
+    (plan,) = plan_target(Target("tiny", "model", str(tiny)), tiny, [spec], problems, cfg, tmp_path, None)
     assert plan.skipped == ["long"] and plan.clamped == 1
     short, mid = plan.jobs
     assert short.max_tokens == 64 and short.samples == list(range(16))

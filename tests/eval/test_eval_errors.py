@@ -117,7 +117,7 @@ def _cache_every_sample(model: Path, out: Path) -> Path:
     (target,) = resolve_targets([str(model)], all_checkpoints=False)
     target_dir = out / f"{slug(target.label)}-{target.identity()[:8]}"
     target_dir.mkdir(parents=True)
-    (plan,) = plan_target(target, target.model_dir(), specs, problems, cfg.protocol, target_dir, 1)
+    (plan,) = plan_target(target, target.model_dir(), specs, problems, cfg, target_dir, 1)
     records = [
         {
             "problem_id": job.problem.id,
