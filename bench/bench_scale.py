@@ -166,7 +166,7 @@ def python_bytes(build) -> int:
 def fifo_and_checkpoint(report) -> None:
     from m2po_cli.rollout.episode import one_turn
     from m2po_cli.train.fifo import StalenessQueue
-    from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.pack import pack_groups
 
     prompt_ids, groups, rewards_PG = synthetic_groups(32, 8, 1024, 49_152)
     response_tokens = sum(len(c.token_ids) for g in groups for c in g)
@@ -260,7 +260,7 @@ def passes_and_timing(report, args) -> None:
     from m2po_cli.models import resolve_model
     from m2po_cli.rollout.episode import one_turn
     from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, score_at_behaviour_version
-    from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.pack import pack_groups
 
     with tempfile.TemporaryDirectory() as tmp:
         quickstart = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.toml"

@@ -328,7 +328,7 @@ def learner_alone(model_dir: Path, size: dict) -> dict:
     from m2po_cli.rollout.types import Completion
     from m2po_cli.schedule import Schedule
     from m2po_cli.train.colocated import score_at_behaviour_version
-    from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.pack import pack_groups
     from m2po_cli.train.reuse import plan_passes
     from m2po_cli.train.updates import train_on
 

@@ -46,8 +46,8 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         # The prompt set is read before torch, the learner or vLLM start: a bad file costs a second.
         columns = resolved.reads_columns
         problems = None if dry_run and is_hub(resolved.data) else load_problems(resolved.data, columns)
-        if resolved.env.name:
-            _check_env(resolved, dry_run)
+        if dry_run and resolved.env.name:
+            _check_env(resolved)
     except UserError as e:
         _fail(str(e))
     if dry_run:
@@ -68,15 +68,13 @@ def train(recipe: str, overrides: tuple[str, ...], dry_run: bool, verbose: bool)
         _fail(str(e))
 
 
-def _check_env(recipe, dry_run: bool) -> None:
-    """The environment class, before anything heavy; on a dry run also the chat template's turns
-    when the model is on this machine (a run checks them at start, `rollout.episode.build_episodes`)."""
+def _check_env(recipe) -> None:
+    """A dry run's check of the environment class and, when the model is on this machine, of the
+    chat template's turns (a run checks both at start, before the model loads: `train.loop.prepare`)."""
     from m2po_cli.environment import load_environment
     from m2po_cli.models import load_tokenizer, present_dir
 
     load_environment(recipe.env.name)
-    if not dry_run:
-        return
     model_dir = present_dir(recipe.model.path)
     if model_dir is None:
         click.echo(

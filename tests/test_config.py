@@ -63,7 +63,7 @@ M2PO_RECIPES = [p for p in RECIPES if "-grpo" not in p.stem]
 
 
 def test_every_recipe_has_its_grpo_twin():
-    assert len(M2PO_RECIPES) == 9
+    assert len(M2PO_RECIPES) == 11
     assert sorted(RECIPES) == sorted(M2PO_RECIPES + [grpo_twin(p) for p in M2PO_RECIPES])
 
 

@@ -33,7 +33,8 @@ from m2po_cli.run_dir import GENERATED_TOKENS, NEWEST_REWARD, NEWEST_VERSION
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
-from m2po_cli.train.packed import PackedRollouts, distribute, grade_and_pack
+from m2po_cli.train.pack import grade_and_pack
+from m2po_cli.train.packed import PackedRollouts, distribute
 from m2po_cli.train.runlog import RunLog
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.

@@ -20,6 +20,7 @@ from m2po_cli import checkpoint
 from m2po_cli.checkpoint import Restored
 from m2po_cli.config import Recipe
 from m2po_cli.data import Problem, PromptBatches, load_problems
+from m2po_cli.environment import load_environment
 from m2po_cli.errors import RunError
 from m2po_cli.grader import load_reward
 from m2po_cli.learner.policy import Learner
@@ -142,11 +143,13 @@ def prepare(
     """Cheap checks before anything expensive starts (the CLI has checked the launch): the model's
     files, the rollout source's own needs, the reward function, the environment and the chat
     template's turns, the prompt set. Returns the model's folder, the prompt batches and the episodes."""
-    model_dir = resolve_model(recipe.model.path)
-    check_model_dir(model_dir)
     source_type.check(recipe, launch().world)
     if recipe.reward.function:
         load_reward(recipe.reward.function)
+    if recipe.env.name:  # the class, before a builtin model is built: its chat template comes after
+        load_environment(recipe.env.name)
+    model_dir = resolve_model(recipe.model.path)
+    check_model_dir(model_dir)
     if problems is None:
         problems = load_problems(recipe.data, columns=recipe.reads_columns)
     tokenizer = load_tokenizer(model_dir)

@@ -15,7 +15,7 @@ Each field is declared once with its axis (`ROW`, `TOKEN`, `RESPONSE`): taking r
 batches, an empty batch, the all-to-alls of `distribute` and the checkpoint format are generic over
 the fields, so a new per-token field is one declaration.
 
-Rows are packed once, on the rank that generated them (`pack_groups`), with their GRPO advantages
+Rows are packed once, on the rank that generated them (`train/pack.py`), with their GRPO advantages
 (a group's rows are generated together, so the rank has the whole group). `distribute` then sends
 each row to the rank that trains it (`owners`: balanced by tokens), with a handful of all-to-all
 collectives of compact tensors, so every rank holds only its own rows.
@@ -30,13 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from m2po_cli.advantages import grpo_advantages
-from m2po_cli.config import AlgorithmConfig
-from m2po_cli.data import Problem
 from m2po_cli.distributed import all_to_all_rows, as_bytes, from_bytes, gather, transfer_device
-from m2po_cli.grader import Grader
 from m2po_cli.learner.batch import Batch
-from m2po_cli.rollout.episode import Episode
 from m2po_cli.schedule import Schedule
 
 ROW, TOKEN, RESPONSE = "row", "token", "response"  # one value per row, per token, per response token
@@ -98,41 +93,38 @@ class PackedRollouts:
         return self.lengths_B - self.prompt_len_B
 
     @property
+    def owner_R(self) -> Tensor:
+        """The local row of each response token."""
+        return torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
+
+    @property
     def trained_len_B(self) -> Tensor:
         """The trained tokens of each row."""
-        trained_B = torch.zeros(self.num_rows, dtype=torch.long)
-        owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
-        return trained_B.index_add_(0, owner_R, self.trained_R.long())
+        return torch.zeros(self.num_rows, dtype=torch.long).index_add_(0, self.owner_R, self.trained_R.long())
 
     @property
     def turn_R(self) -> Tensor:
-        """The model turn of each response token, from 0 (an environment's token: the turn before it)."""
-        before_R = torch.zeros_like(self.trained_R)  # the token before is trained, in the same row
-        before_R[1:] = self.trained_R[:-1]
-        firsts_B = self.response_offsets()[:-1][self.response_len_B > 0]
-        before_R[firsts_B] = False
-        starts_R = (self.trained_R & ~before_R).long()
-        count_R = starts_R.cumsum(0)  # turns started so far, over all rows
-        owner_R = torch.repeat_interleave(torch.arange(self.num_rows), self.response_len_B)
-        earlier_B = torch.nn.functional.pad(count_R, (1, 0))[self.response_offsets()[:-1]]
-        return (count_R - earlier_B[owner_R] - 1).clamp(min=0)
+        """The model turn of each response token, from 0 (an environment's token: the turn before it):
+        the runs of trained tokens begun so far in its row, less one."""
+        starts_R = self.trained_R.clone()
+        starts_R[1:] &= ~self.trained_R[:-1]  # a trained token after an untrained one (or none) ...
+        firsts_B = self.responseoffsets()[:-1][self.response_len_B > 0]
+        starts_R[firsts_B] = self.trained_R[firsts_B]  # ... or a row's first
+        count_R = starts_R.long().cumsum(0)
+        earlier_B = torch.nn.functional.pad(count_R, (1, 0))[self.responseoffsets()[:-1]]
+        return (count_R - earlier_B[self.owner_R] - 1).clamp(min=0)
 
     @property
     def turns_B(self) -> Tensor:
         """The model turns of each row's episode (1 for a one-turn row)."""
-        if not self.num_rows:
-            return torch.zeros(0, dtype=torch.long)
-        last_R = self.response_offsets()[1:] - 1
         turns_B = torch.zeros(self.num_rows, dtype=torch.long)
-        has = self.response_len_B > 0
-        turns_B[has] = self.turn_R[last_R[has]] + 1
-        return turns_B
+        return turns_B.scatter_reduce_(0, self.owner_R, self.turn_R + 1, "amax")
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def response_offsets(self) -> Tensor:
+    def responseoffsets(self) -> Tensor:
         """Where each row's response logprobs start in `behaviour_R` / `learner_R`; B + 1 entries."""
         return torch.nn.functional.pad(self.response_len_B.cumsum(0), (1, 0))
 
@@ -140,7 +132,7 @@ class PackedRollouts:
         """Where the response tokens of the rows at local positions `index_K` are in the `_R`
         tensors, row after row."""
         index_K = index_K.long()
-        return _segments(self.response_offsets()[index_K], self.response_len_B[index_K])
+        return _segments(self.responseoffsets()[index_K], self.response_len_B[index_K])
 
     def trained_index(self, index_K: Tensor) -> Tensor:
         """`response_index(index_K)` restricted to the trained tokens."""
@@ -159,10 +151,10 @@ class PackedRollouts:
         taken = {
             name: getattr(self, name)[along[spec["axis"]]]
             if not spec["optional"] or self.has(name)
-            else _empty(name)
+            else empty_column(name)
             for name, spec in COLUMNS.items()
         }
-        return replace(self, **taken, offsets_B1=_offsets(lengths_K), meta=dict(self.meta))
+        return replace(self, **taken, offsets_B1=offsets(lengths_K), meta=dict(self.meta))
 
     @classmethod
     def cat(cls, parts: list[PackedRollouts], row_B: Tensor) -> PackedRollouts:
@@ -171,14 +163,14 @@ class PackedRollouts:
         joined = {
             name: torch.cat([getattr(p, name) for p in parts])
             if all(p.has(name) for p in parts)
-            else _empty(name)
+            else empty_column(name)
             for name in cls.columns()
             if name != "row_B"
         }
         return cls(
             version=min(p.version for p in parts),
             row_B=row_B,
-            offsets_B1=_offsets(torch.cat([p.lengths_B for p in parts])),
+            offsets_B1=offsets(torch.cat([p.lengths_B for p in parts])),
             **joined,
         )
 
@@ -248,18 +240,22 @@ class PackedRollouts:
     @classmethod
     def empty(cls, version: int) -> PackedRollouts:
         """No rows: what a rank that generated nothing contributes to `distribute`."""
-        return cls(version, offsets_B1=torch.zeros(1, dtype=torch.long), **{n: _empty(n) for n in COLUMNS})
+        return cls(
+            version, offsets_B1=torch.zeros(1, dtype=torch.long), **{n: empty_column(n) for n in COLUMNS}
+        )
 
 
 # Each tensor field's declaration (`column`): its axis, dtype and whether it may be empty.
 COLUMNS = {f.name: f.metadata for f in fields(PackedRollouts) if "axis" in f.metadata}
 
 
-def _empty(name: str) -> Tensor:
+def empty_column(name: str) -> Tensor:
+    """An empty tensor of the field `name`'s dtype."""
     return torch.zeros(0, dtype=COLUMNS[name]["dtype"])
 
 
-def _offsets(lengths_B: Tensor) -> Tensor:
+def offsets(lengths_B: Tensor) -> Tensor:
+    """Where each row starts, for rows of `lengths_B`: B + 1 entries from 0."""
     return torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0))
 
 
@@ -269,67 +265,6 @@ def _segments(starts_K: Tensor, lengths_K: Tensor) -> Tensor:
     ends_K = lengths_K.cumsum(0)
     shift_K = starts_K - (ends_K - lengths_K)
     return torch.arange(total) + torch.repeat_interleave(shift_K, lengths_K, output_size=total)
-
-
-def pack_groups(
-    version: int,
-    first_row: int,
-    prompts: list[list[int]],
-    groups: list[list[Episode]],
-    rewards_PG: Tensor,
-    normalize_std: bool,
-    std_eps: float,
-) -> PackedRollouts:
-    """Pack P prompts x n episodes generated on this rank; their rows start at `first_row`. The
-    model's tokens are trained, the environment's are context (`Episode.trained`)."""
-    samples = [(p, e) for p, group in zip(prompts, groups, strict=True) for e in group]
-    responses = [e.token_ids for _, e in samples]
-    tokens = [t for (p, _), r in zip(samples, responses, strict=True) for t in (*p, *r)]
-    lengths = torch.tensor([len(p) + len(r) for (p, _), r in zip(samples, responses, strict=True)])
-    advantages_PG = grpo_advantages(rewards_PG, normalize_std, std_eps)
-    n = rewards_PG.shape[1]
-    return PackedRollouts(
-        version=version,
-        row_B=torch.arange(first_row, first_row + len(samples)),
-        tokens_N=torch.tensor(tokens, dtype=torch.int32),
-        offsets_B1=_offsets(lengths.long()),
-        prompt_len_B=torch.tensor([len(p) for p, _ in samples], dtype=torch.long),
-        behaviour_R=torch.tensor([x for _, e in samples for x in e.logprobs], dtype=torch.float32),
-        learner_R=_empty("learner_R"),
-        advantages_B=advantages_PG.flatten().float(),
-        rewards_B=rewards_PG.flatten().float().clone(),
-        finished_B=torch.tensor([e.finished for _, e in samples], dtype=torch.bool),
-        solved_B=(rewards_PG.max(dim=1).values > 0).repeat_interleave(n),
-        version_B=torch.full((len(samples),), version, dtype=torch.long),
-        version_R=torch.tensor([v for _, e in samples for v in e.versions(version)], dtype=torch.int32),
-        trained_R=torch.tensor([t for _, e in samples for t in e.trained], dtype=torch.bool),
-        tool_calls_B=torch.tensor([e.tool_calls for _, e in samples], dtype=torch.int16),
-        tool_failures_B=torch.tensor([e.tool_failures for _, e in samples], dtype=torch.int16),
-    )
-
-
-def grade_and_pack(
-    grader: Grader,
-    problems: list[Problem],
-    prompts: list[list[int]],
-    groups: list[list[Episode]],
-    versions: list[int],
-    algorithm: AlgorithmConfig,
-) -> list[PackedRollouts]:
-    """Finished groups, scored and packed one a group (`pack_groups`, rows numbered from 0, each group
-    at the version its request was submitted at): what both rollout sources do with what their
-    engines finish. An environment's own reward() scores its episodes; otherwise the grader scores
-    every episode's text in one call (`Grader.score_groups`)."""
-    if all(e.reward is not None for g in groups for e in g):
-        rewards = [[e.reward for e in g] for g in groups]
-    else:
-        rewards = grader.score_groups(problems, [[e.text for e in g] for g in groups])
-    rewards_GN = torch.tensor(rewards, dtype=torch.float32)
-    a = algorithm
-    return [
-        pack_groups(version, 0, [prompt], [group], rewards_GN[g : g + 1], a.normalize_std, a.std_eps)
-        for g, (prompt, group, version) in enumerate(zip(prompts, groups, versions, strict=True))
-    ]
 
 
 def owners(row_B: Tensor, lengths_B: Tensor, schedule: Schedule, world: int) -> Tensor:
@@ -401,9 +336,9 @@ def distribute(
     lengths_B = received.pop("lengths_B")
     rows = PackedRollouts(
         version=pack.version,
-        offsets_B1=_offsets(lengths_B),
+        offsets_B1=offsets(lengths_B),
         **received,
-        **{n: _empty(n) for n in PackedRollouts.columns(optional=True)},
+        **{n: empty_column(n) for n in PackedRollouts.columns(optional=True)},
         meta=dict(pack.meta),
     )
     return rows.take(torch.sort(rows.row_B).indices)

@@ -34,7 +34,8 @@ from m2po_cli.rollout.types import Finished, Group, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
-from m2po_cli.train.packed import PackedRollouts, distribute, grade_and_pack
+from m2po_cli.train.pack import grade_and_pack
+from m2po_cli.train.packed import PackedRollouts, distribute
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 
 TRAINED_LOG = "trained_prompts.jsonl"

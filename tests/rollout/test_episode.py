@@ -21,7 +21,7 @@ from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.episode import EpisodeGroup, build_episodes, play_episodes, sample_episodes
 from m2po_cli.rollout.server import EngineServer, server_sampler
 from m2po_cli.rollout.settings import request_seed
-from m2po_cli.train.packed import pack_groups
+from m2po_cli.train.pack import pack_groups
 from tests.conftest import recipe_for
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ from m2po_cli.rollout.server import (
 from m2po_cli.rollout.transport import ShmWeightTransport
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
-from m2po_cli.train.packed import pack_groups
+from m2po_cli.train.pack import pack_groups
 from tests.conftest import no_record, recipe_for
 from tests.probes import server_prompt_logprobs
 from tests.rollout.test_weight_sync import logprob_gap, sampled_batch

@@ -17,7 +17,8 @@ from m2po_cli.rollout.engine import VLLMEngine
 from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
-from m2po_cli.train.packed import PackedRollouts, pack_groups
+from m2po_cli.train.pack import pack_groups
+from m2po_cli.train.packed import PackedRollouts
 from tests.conftest import recipe_for
 from tests.probes import prompt_logprobs, require_version
 from tests.steps import train_once

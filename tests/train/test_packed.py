@@ -22,7 +22,8 @@ from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import MISMATCH_SAMPLE_ROWS, engine_share, mismatch_sample
 from m2po_cli.train.fifo import StalenessQueue
-from m2po_cli.train.packed import PackedRollouts, distribute, owners, pack_groups
+from m2po_cli.train.pack import pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute, owners
 from tests.conftest import recipe_for
 from tests.tolerances import adam_weight_bounds, max_gap, within
 

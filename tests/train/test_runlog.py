@@ -34,7 +34,7 @@ def test_samples_are_the_trained_rows_as_text_and_a_resume_drops_the_redone_ones
     from m2po_cli.rollout.episode import one_turn
     from m2po_cli.rollout.types import Completion
     from m2po_cli.train.loop import batch_samples
-    from m2po_cli.train.packed import pack_groups
+    from m2po_cli.train.pack import pack_groups
     from m2po_cli.train.runlog import RunLog
     from tests.conftest import recipe_for
 

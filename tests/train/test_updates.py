@@ -19,7 +19,8 @@ from m2po_cli.models import resolve_model
 from m2po_cli.record import Recorder, step_path
 from m2po_cli.rollout.episode import Episode
 from m2po_cli.rollout.types import Completion
-from m2po_cli.train.packed import PackedRollouts, pack_groups
+from m2po_cli.train.pack import pack_groups
+from m2po_cli.train.packed import PackedRollouts
 from m2po_cli.train.reuse import StepPlan
 from m2po_cli.train.updates import rollout_metrics, train_on
 from tests.conftest import recipe_for

@@ -33,7 +33,8 @@ from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import Sampler, engine_share, rollout, sync_weights
-from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
+from m2po_cli.train.pack import pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute
 from tests.probes import require_version
 from tests.rollout.test_weight_sync import logprob_gap, no_record
 from tests.steps import train_once

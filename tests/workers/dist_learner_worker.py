@@ -23,7 +23,8 @@ from m2po_cli.rollout.episode import one_turn
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
 from m2po_cli.train.colocated import score_at_behaviour_version
-from m2po_cli.train.packed import PackedRollouts, distribute, pack_groups
+from m2po_cli.train.pack import pack_groups
+from m2po_cli.train.packed import PackedRollouts, distribute
 from m2po_cli.train.reuse import plan_passes
 from m2po_cli.train.updates import train_on
 
