@@ -3,9 +3,9 @@
 A background thread runs an asyncio loop that sends one generate request per prompt (its `n`
 samples) to the servers, as many at a time as admission and each server's concurrency allow;
 continuous batching in the engine does the rest. With an environment, each episode's later turns
-follow on the same server, one request each (`episode.play_episodes`). A second thread settles finished groups as they
-arrive (the caller's `settle`: grading and packing into tensors), off the learner's critical path;
-settled groups wait in a buffer until the learner takes a step's worth.
+follow on the same server, one request each (`episode.play_episodes`). A second thread settles
+finished groups as they arrive (the caller's `settle`: grading and packing into tensors), off the
+learner's critical path; settled groups wait in a buffer until the learner takes a step's worth.
 
 Versions. A weight sync pauses the engines with `mode=keep`: requests in flight stay in the engine,
 recompute their KV cache under the new weights and go on sampling, so nothing is thrown away. Each
@@ -170,8 +170,7 @@ class RolloutProducer:
             swap_weights(self.servers, load, version)
         finally:
             with self.cond:
-                self.engine_version = version
-                self.syncing = False
+                self.engine_version, self.syncing = version, False
                 self._update_idle()
                 self.cond.notify_all()
             self._wake_admission()
@@ -246,8 +245,7 @@ class RolloutProducer:
                 self.resubmit.append((self.admitted, self.fresh.popleft()))
                 self.admitted += 1
             index, ticket = self.resubmit.popleft()
-            key = self._next_key
-            self._next_key += 1
+            key, self._next_key = self._next_key, self._next_key + 1
             if not self.running:
                 self._last_progress = time.monotonic()
             self.running[key] = (index, ticket, url)
@@ -301,15 +299,17 @@ class RolloutProducer:
             return
         self.finish(key, ticket, version, episodes)
 
-    async def _episodes(
-        self, http: aiohttp.ClientSession, url: str, prompt: Prompt, seed: int
-    ) -> list | None:
+    async def _episodes(self, http, url: str, prompt: Prompt, seed: int) -> list[Episode] | None:
         """The `n` episodes of `prompt`, every turn from the server at `url`, whose prefix cache holds
         the episode (`episode.play_episodes`); None if the engine aborted a request. A turn sent while
         a weight swap pauses the server waits in it."""
         echo = self.episodes.multi_turn  # the server repeats the tokens it was given, to check
-        sample = server_sampler(http, url, self.servers_by_url[url].model_name, self.cfg, self.decode, echo)
+        model = self.servers_by_url[url].model_name
+        sample = server_sampler(http, url, model, self.cfg, self.decode, echo, self._answered)
         return await play_episodes(sample, self.episodes, prompt, seed)
+
+    def _answered(self) -> None:
+        self._last_progress = time.monotonic()  # a turn's answer is progress, before its group ends
 
     def _no_answer(self, url: str, e: aiohttp.ClientError) -> bool:
         """A request failed without an answer: whether to send it again. A kept-alive connection the
@@ -335,8 +335,7 @@ class RolloutProducer:
         return self.schedule.last_update(self.admitted) > self.engine_version + self.max_staleness
 
     def _update_idle(self) -> None:
-        """Under the lock, after any change of what is in flight or whether a sync runs: why the
-        engines are idle now, if they are."""
+        """Under the lock, after a change of what is in flight or of a sync: why the engines idle, if they do."""
         held = not self.resubmit and self.bound_reached()
         self.idle.now("sync" if self.syncing else None if self.running else "bound" if held else "starved")
 

@@ -336,13 +336,18 @@ def server_sampler(
     cfg: RolloutConfig,
     decode: Callable[[list[int]], str],
     echo: bool,
+    answered: Callable[[], None] | None = None,
 ) -> Callable[[list[int], int, int | None], Awaitable[list[Completion] | None]]:
     """`sample(token_ids, seed, max_tokens)`: one `generate` request of `sampling_body` to the server
-    at `url`, its completions (None: aborted); what an episode samples its turns with."""
+    at `url`, its completions (None: aborted); what an episode samples its turns with. `answered()`
+    hears of every answer."""
 
     async def sample(token_ids: list[int], seed: int, max_tokens: int | None) -> list[Completion] | None:
         body = sampling_body(token_ids, cfg, seed, model, max_tokens, echo)
-        return await generate(http, url, body, decode, cfg.request_timeout_s)
+        completions = await generate(http, url, body, decode, cfg.request_timeout_s)
+        if answered is not None:
+            answered()
+        return completions
 
     return sample
 

@@ -35,8 +35,11 @@ def test_the_tools_quickstart_calls_the_calculator_in_both_modes(tmp_path, mode)
         sets += ['rollout.mode="separate"', "staleness.max_staleness=2"]
     steps = train(tmp_path, *sets)
     for m in steps:
-        assert m["env/tool_calls_mean"] > 0.25 and m["env/turns_mean"] > 1.25  # it calls the tool
-        assert m["env/env_tokens_mean"] > 10  # the tool's answer and the template's turn around it
+        assert m["env/tool_calls_mean"] > 0.2 and m["env/turns_mean"] > 1.2  # it calls the tool
+        # Between two turns: "\n<|im_start|>tool\n", the sum (1-4 digits; an error is longer) and
+        # "<|im_end|>\n<|im_start|>assistant\n": 20 tokens of template around each answer.
+        per_answer = m["env/env_tokens_mean"] / (m["env/turns_mean"] - 1)
+        assert 21 <= per_answer and (per_answer <= 24 or m["env/tool_failures_mean"] > 0)
         assert m["loss/num_tokens"] == pytest.approx(m["env/model_tokens_mean"] * 64)  # only the model's
         assert 0 < m["rollout/reward_mean"] < 1
     samples = [json.loads(line) for line in (tmp_path / "tools-quickstart" / "samples.jsonl").open()]
