@@ -19,12 +19,14 @@ from m2po_cli.train.separate import engine_devices
 pytestmark = pytest.mark.slow
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart-separate.toml"
+TOOLS = RECIPE.with_name("tools-quickstart.toml")
 NUM_PROBLEMS, PER_STEP, STEPS, MAX_STALENESS = 48, 8, 10, 2
 
 
-def command(out: Path, *extra: str) -> list[str]:
+def command(out: Path, *extra: str, recipe: Path = RECIPE) -> list[str]:
     sets = [
         *extra,
+        'run.name="run"',
         f'run.output_dir="{out}"',
         f"run.steps={STEPS}",
         f"rollout.prompts_per_step={PER_STEP}",
@@ -37,7 +39,7 @@ def command(out: Path, *extra: str) -> list[str]:
         "checkpoint.export_hf=false",
         'logging.console="plain"',
     ]
-    return [sys.executable, "-m", "m2po_cli", "train", str(RECIPE), *(a for s in sets for a in ("--set", s))]
+    return [sys.executable, "-m", "m2po_cli", "train", str(recipe), *(a for s in sets for a in ("--set", s))]
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -64,13 +66,13 @@ def wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
-def killed_at(tmp_path: Path, step: int, extra: tuple[str, ...] = ()) -> None:
+def killed_at(tmp_path: Path, step: int, extra: tuple[str, ...] = (), recipe: Path = RECIPE) -> None:
     """Start the run (resuming what is there) and SIGKILL its process group once step `step` has
     taken its rollouts; check that nothing of it survives."""
-    run_dir = tmp_path / "quickstart-separate"
+    run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
     with open(tmp_path / f"killed-at-{step}.log", "wb") as log:
-        run = subprocess.Popen(command(tmp_path, *extra), stdout=log, stderr=subprocess.STDOUT, env=env,
+        run = subprocess.Popen(command(tmp_path, *extra, recipe=recipe), stdout=log, stderr=subprocess.STDOUT, env=env,
                                start_new_session=True)  # fmt: skip
         try:
             wait_for(
@@ -111,22 +113,24 @@ def test_sigkill_then_resume_trains_every_prompt_once(tmp_path):
     second = subprocess.run(command(tmp_path), capture_output=True, text=True, env=env, timeout=900)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "regenerating" in second.stdout + second.stderr
-    check_every_prompt_trained_once(tmp_path / "quickstart-separate")
+    check_every_prompt_trained_once(tmp_path / "run")
 
 
-def test_episodes_killed_twice_mid_episode_resume_with_every_prompt_trained_once(tmp_path):
-    # Multi-turn episodes (wrong answers are sent back, up to 3 attempts), killed while groups are in
-    # the middle of their episodes, twice; every token's staleness stays within the bound.
-    episodes = ('env.name="builtin:retry"', "env.max_turns=3", "env.max_tokens=300")
-    killed_at(tmp_path, 4, episodes)
-    killed_at(tmp_path, 7, episodes)
+def test_the_tools_recipe_killed_twice_mid_episode_resumes_with_every_prompt_trained_once(tmp_path):
+    # Two-turn episodes with the calculator tool, killed while groups are in the middle of their
+    # episodes, twice; every token's staleness stays within the bound.
+    episodes = ('rollout.mode="separate"', "data.synthetic.max_operand=999")
+    killed_at(tmp_path, 4, episodes, TOOLS)
+    killed_at(tmp_path, 7, episodes, TOOLS)
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
-    last = subprocess.run(command(tmp_path, *episodes), capture_output=True, text=True, env=env, timeout=900)
+    last = subprocess.run(
+        command(tmp_path, *episodes, recipe=TOOLS), capture_output=True, text=True, env=env, timeout=900
+    )
     assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
-    run_dir = tmp_path / "quickstart-separate"
+    run_dir = tmp_path / "run"
     check_every_prompt_trained_once(run_dir)
     steps = records(run_dir, "metrics.jsonl")
-    assert max(m["env/turns_mean"] for m in steps) > 1.5, "the episodes were not multi-turn"
+    assert all(m["env/tool_calls_mean"] > 0.2 and m["env/turns_mean"] > 1.2 for m in steps)
     assert all(m["env/env_tokens_mean"] > 0 for m in steps)
 
 
@@ -143,7 +147,7 @@ def test_an_engine_synced_every_few_updates_lags_and_the_bound_still_holds(tmp_p
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = tmp_path / "quickstart-separate"
+    run_dir = tmp_path / "run"
     versions = {r["step"]: r["version"] for r in records(run_dir, "trained_prompts.jsonl")}
     steps = records(run_dir, "metrics.jsonl")
     assert [m["step"] for m in steps] == list(range(STEPS))
@@ -165,7 +169,7 @@ def test_reuse_in_separate_mode_keeps_both_bounds(tmp_path, reuse):
     env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = records(tmp_path / "quickstart-separate", "metrics.jsonl")
+    steps = records(tmp_path / "run", "metrics.jsonl")
     assert [m["step"] for m in steps] == list(range(STEPS))
     assert all(m["staleness/max"] <= MAX_STALENESS for m in steps)
     if "epochs" in reuse:
@@ -199,7 +203,7 @@ def started_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, list
     run = subprocess.Popen(
         command(tmp_path), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    run_dir = tmp_path / "quickstart-separate"
+    run_dir = tmp_path / "run"
     wait_for(lambda: records(run_dir, "trained_prompts.jsonl"), 900, run)
     servers = [p for p in group_members(run.pid) if "api_server" in " ".join(p.cmdline())]
     assert len(servers) == 1, "one vllm serve in the run's group"
