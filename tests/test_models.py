@@ -367,7 +367,34 @@ def test_the_long_tail_warm_start_teaches_a_geometric_number_of_worked_lines():
     assert torch.equal(gen.get_state(), state)
 
     tokenizer = char_tokenizer()
-    ids_BT, labels_BT = builtin_models._format_batch(tokenizer, [[3, 4], [1, 0]], [7, 5], [2, 0])
+    examples = [builtin_models.answer_turns([3, 4], 7, 2), builtin_models.answer_turns([1, 0], 5, 0)]
+    ids_BT, labels_BT = builtin_models._format_batch(tokenizer, examples)
     responses = [tokenizer.decode(row[row >= 0]) for row in labels_BT]
     assert responses == [f"3+4=7;3+4=7;{BOXED_TOKEN}7}}{EOS_TOKEN}", f"{BOXED_TOKEN}5}}{EOS_TOKEN}"]
     assert tokenizer.decode(ids_BT[1]).startswith(_prompt(tokenizer, "1+0"))
+
+
+def test_the_calculator_warm_start_calls_the_builtin_tool_and_trains_no_tool_token():
+    from m2po_cli.environment import EnvSession, load_environment
+
+    tokenizer = char_tokenizer()
+    examples = [
+        builtin_models.calculator_turns([123, 456], 0, True),
+        builtin_models.calculator_turns([1, 2], 7, False),
+    ]
+    ids_BT, labels_BT = builtin_models._format_batch(tokenizer, examples)
+    call, tool, answer = (text for text, _ in examples[0][1])
+    trained = tokenizer.decode(labels_BT[0][labels_BT[0] >= 0])
+    assert trained == call + answer and answer == f"{BOXED_TOKEN}579}}{EOS_TOKEN}"
+    assert tool in tokenizer.decode(ids_BT[0]) and "579" in tool
+    session = EnvSession(load_environment("builtin:calculator"), timeout_s=5)
+    session.reset({})
+    assert session.respond(call.removesuffix(EOS_TOKEN)) == [{"role": "tool", "content": "579"}]
+    assert tokenizer.decode(labels_BT[1][labels_BT[1] >= 0]) == f"{BOXED_TOKEN}7}}{EOS_TOKEN}"  # a guess
+    # The tool turn is what the builtin template writes after a model turn for a tool message.
+    from m2po_cli.chat import ChatTurns
+
+    suffix = ChatTurns(tokenizer, [tokenizer.eos_token_id], "tiny").suffix(
+        [{"role": "tool", "content": "579"}]
+    )
+    assert tokenizer.decode(suffix) == tool

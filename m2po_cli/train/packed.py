@@ -108,10 +108,10 @@ class PackedRollouts:
         the runs of trained tokens begun so far in its row, less one."""
         starts_R = self.trained_R.clone()
         starts_R[1:] &= ~self.trained_R[:-1]  # a trained token after an untrained one (or none) ...
-        firsts_B = self.responseoffsets()[:-1][self.response_len_B > 0]
+        firsts_B = self.response_offsets()[:-1][self.response_len_B > 0]
         starts_R[firsts_B] = self.trained_R[firsts_B]  # ... or a row's first
         count_R = starts_R.long().cumsum(0)
-        earlier_B = torch.nn.functional.pad(count_R, (1, 0))[self.responseoffsets()[:-1]]
+        earlier_B = torch.nn.functional.pad(count_R, (1, 0))[self.response_offsets()[:-1]]
         return (count_R - earlier_B[self.owner_R] - 1).clamp(min=0)
 
     @property
@@ -124,7 +124,7 @@ class PackedRollouts:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def responseoffsets(self) -> Tensor:
+    def response_offsets(self) -> Tensor:
         """Where each row's response logprobs start in `behaviour_R` / `learner_R`; B + 1 entries."""
         return torch.nn.functional.pad(self.response_len_B.cumsum(0), (1, 0))
 
@@ -132,7 +132,7 @@ class PackedRollouts:
         """Where the response tokens of the rows at local positions `index_K` are in the `_R`
         tensors, row after row."""
         index_K = index_K.long()
-        return _segments(self.responseoffsets()[index_K], self.response_len_B[index_K])
+        return _segments(self.response_offsets()[index_K], self.response_len_B[index_K])
 
     def trained_index(self, index_K: Tensor) -> Tensor:
         """`response_index(index_K)` restricted to the trained tokens."""
