@@ -28,7 +28,7 @@ from rich.console import Console
 
 from m2po_cli.eval.config import load_benchmarks, load_eval_config
 from m2po_cli.eval.data import load_problems
-from m2po_cli.eval.evaluate import build_eval_llm, context_length, plan_target, run_jobs
+from m2po_cli.eval.evaluate import build_eval_llm, context_length, plan_target, run_jobs, target_episodes
 from m2po_cli.eval.report import summarize_benchmark
 from m2po_cli.eval.sampling import sample_seed, sampling_params
 from m2po_cli.eval.targets import Target
@@ -60,7 +60,16 @@ def eval_path(llm, grader, target, model_dir, specs, problems, cfg) -> tuple[flo
     with tempfile.TemporaryDirectory() as out:
         _reset(llm)
         start = time.perf_counter()
-        plans = plan_target(target, model_dir, specs, problems, cfg, Path(out), None)
+        plans = plan_target(
+            target,
+            model_dir,
+            specs,
+            problems,
+            cfg,
+            Path(out),
+            None,
+            target_episodes(cfg, model_dir, target.path),
+        )
         jobs = [j for p in plans for j in p.jobs]
         run_jobs(llm, grader, jobs, cfg.protocol, {p.spec.name: p for p in plans}, quiet)
         for p in plans:
@@ -96,7 +105,16 @@ def main() -> int:
     with Grader(cfg.grader.workers, cfg.grader.timeout_s) as grader:
         # The prompts, token for token, as the eval builds them.
         with tempfile.TemporaryDirectory() as out:
-            (plan,) = plan_target(target, model_dir, specs, problems, cfg, Path(out), None)
+            (plan,) = plan_target(
+                target,
+                model_dir,
+                specs,
+                problems,
+                cfg,
+                Path(out),
+                None,
+                target_episodes(cfg, model_dir, target.path),
+            )
         raw_generate(llm, plan.jobs[:1], cfg.protocol)  # warm-up
         raw_runs, eval_runs = [], []
         for i in range(args.repeats):

@@ -52,6 +52,9 @@ class ChatTurns:
     ):
         self.tokenizer, self.end_of_turn, self.name = tokenizer, set(end_of_turn), name
         self.tools = tools or None
+        # Rendered once: every turn's suffix is read against them.
+        self.probe = self.render(PROBE, generation_prompt=False)
+        self.answer_start = len(self.render(PROBE[:1], generation_prompt=True))
 
     def render(self, messages: list[Message], generation_prompt: bool) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(
@@ -66,7 +69,7 @@ class ChatTurns:
     def check(self) -> None:
         """Refuse, in one line, a template whose earlier turns change when a message is appended, or
         that does not end the model's turn with one of its end-of-turn tokens."""
-        before = self.render(PROBE, generation_prompt=False)
+        before = self.probe
         for role in APPENDED_ROLES:
             after = self.render([*PROBE, {"role": role, "content": "3"}], generation_prompt=True)
             first = first_difference(before, after[: len(before)])
@@ -83,15 +86,13 @@ class ChatTurns:
     def suffix(self, messages: list[Message]) -> list[int]:
         """The tokens that follow a model turn's end-of-turn token when `messages` come next: the
         template's boundary after that token, the messages, and the generation prompt."""
-        before = self.render(PROBE, generation_prompt=False)
         after = self.render([*PROBE, *messages], generation_prompt=True)
-        assert after[: len(before)] == before, "the template changed earlier turns (ChatTurns.check)"
+        assert after[: len(self.probe)] == self.probe, "the template changed earlier turns (ChatTurns.check)"
         return after[self._model_turn_end(after) + 1 :]
 
     def _model_turn_end(self, tokens: list[int]) -> int:
         """Where the probe's model turn ends: the first end-of-turn token after its generation prompt."""
-        start = len(self.render(PROBE[:1], generation_prompt=True))
-        end = next((i for i in range(start, len(tokens)) if tokens[i] in self.end_of_turn), None)
+        end = next((i for i in range(self.answer_start, len(tokens)) if tokens[i] in self.end_of_turn), None)
         if end is None:
             raise TemplateError(
                 f"the chat template of {self.name} does not end an assistant turn with an end-of-turn "

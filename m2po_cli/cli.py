@@ -74,9 +74,9 @@ def _check_env(recipe) -> None:
     from m2po_cli.environment import load_environment
     from m2po_cli.models import load_tokenizer, present_dir
 
-    load_environment(recipe.env.name)
     model_dir = present_dir(recipe.model.path)
     if model_dir is None:
+        load_environment(recipe.env.name)
         click.echo(
             f"{recipe.model.path} is not on this machine yet: its chat template is checked at start", err=True
         )

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from m2po_cli.chat import Message
-from m2po_cli.errors import UserError
+from m2po_cli.errors import UserError, first_line
 
 RESERVED = ("reset", "step", "reward")  # methods of the protocol, never tools
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -68,7 +68,7 @@ def load_environment(name: str) -> EnvironmentClass:
         try:
             cls = getattr(importlib.import_module(module), attr)
         except Exception as e:  # an import runs arbitrary code: any failure is the environment's
-            raise EnvError(f"{where}: cannot load it: {type(e).__name__}: {_first_line(e)}") from None
+            raise EnvError(f"{where}: cannot load it: {type(e).__name__}: {first_line(e)}") from None
     if not inspect.isclass(cls):
         raise EnvError(f"{where} is a {type(cls).__name__}, not a class")
     _check_signature(cls, "__init__", 0, where)
@@ -100,16 +100,8 @@ def _check_signature(cls: type, method: str, num_args: int, where: str) -> None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(required) > num_args or (len(positional) < num_args and not takes_more):
         shown = "no arguments" if not num_args else f"{num_args} argument"
-        raise EnvError(
-            f"{where}: {method}{inspect.signature(function)} must take {shown}"
-            + (
-                " (the dataset row)"
-                if method in ("reset",)
-                else " (the model's turn as text)"
-                if method == "step"
-                else ""
-            )
-        )
+        what = {"reset": " (the dataset row)", "step": " (the model's turn as text)"}.get(method, "")
+        raise EnvError(f"{where}: {method}{inspect.signature(function)} must take {shown}{what}")
 
 
 def _tool_schemas(cls: type, where: str) -> dict[str, dict]:
@@ -122,8 +114,7 @@ def _tool_schemas(cls: type, where: str) -> dict[str, dict]:
         try:
             schema = get_json_schema(function)
         except Exception as e:  # noqa: BLE001 (transformers raises several kinds for one cause)
-            raise EnvError(f"{where}: tool {name}: {_first_line(e)}") from None
-        # The schema of a method lists `self` nowhere (get_json_schema skips it): nothing to drop.
+            raise EnvError(f"{where}: tool {name}: {first_line(e)}") from None
         tools[name] = schema
     return tools
 
@@ -186,7 +177,7 @@ class EnvSession:
                 return as_messages(reply, "user", f"{self.env.name} step()")
             except Exception as e:  # noqa: BLE001 (the environment's failure is its message)
                 self.tool_failures += 1
-                return [{"role": "user", "content": f"error: {type(e).__name__}: {_first_line(e)}"}]
+                return [{"role": "user", "content": f"error: {type(e).__name__}: {first_line(e)}"}]
         calls = TOOL_CALL.findall(text)
         if not calls:
             return None
@@ -206,7 +197,7 @@ class EnvSession:
             return str(call_within(lambda: method(**arguments), self.timeout_s))
         except Exception as e:  # noqa: BLE001 (every failure is the tool's message)
             self.tool_failures += 1
-            return f"error: {type(e).__name__}: {_first_line(e)}"
+            return f"error: {type(e).__name__}: {first_line(e)}"
 
     def reward(self) -> float | None:
         """The episode's score from reward(), or None when `[reward]` grades it."""
@@ -216,8 +207,3 @@ class EnvSession:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{self.env.name} reward() returned {type(value).__name__}, not a number")
         return float(value)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__

@@ -9,3 +9,8 @@ class UserError(Exception):
 
 class RunError(UserError):
     """The run cannot go on as asked (e.g. a checkpoint of the other rollout mode); says what to do."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (a traceback-like text is not an error line)."""
+    return (str(e).strip().splitlines() or [""])[0]

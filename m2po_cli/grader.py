@@ -40,7 +40,7 @@ from typing import Any
 
 from m2po_cli.answers import answers_match, extract_boxed
 from m2po_cli.data import Problem
-from m2po_cli.errors import RunError
+from m2po_cli.errors import RunError, first_line
 
 _WORKER_START_S = 300.0  # spawn + importing sympy can be slow on a loaded machine
 
@@ -72,15 +72,11 @@ def load_reward(spec: str) -> Callable[..., Any]:
         function = getattr(importlib.import_module(module), name)
     except Exception as e:  # an import runs arbitrary code: any failure is the function's
         raise RewardError(
-            f"reward.function: cannot load {spec!r}: {type(e).__name__}: {_first_line(e)}"
+            f"reward.function: cannot load {spec!r}: {type(e).__name__}: {first_line(e)}"
         ) from None
     if not callable(function):
         raise RewardError(f"reward.function: {spec!r} is a {type(function).__name__}, not a callable")
     return function
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
 
 
 def _checked_scores(values: Any, n: int) -> list[float] | str:
@@ -109,7 +105,7 @@ def _reward_within(
     except _Deadline:
         return [0.0] * len(completions), True
     except Exception as e:
-        return f"raised {type(e).__name__}: {_first_line(e)}", False
+        return f"raised {type(e).__name__}: {first_line(e)}", False
     return _checked_scores(values, len(completions)), False
 
 

@@ -139,3 +139,15 @@ class BenchPlan:
     skipped: list[str] = field(default_factory=list)  # problem ids whose prompt does not fit
     clamped: int = 0  # prompts whose max_new_tokens was cut to fit the context
     jobs: list[Job] = field(default_factory=list)
+
+
+def append_records(plans: dict[str, BenchPlan], graded: list[tuple[str, dict]]) -> None:
+    """Keep each graded sample's record (benchmark name, record) in its plan and append it to the
+    plan's cache file, one write per benchmark: a killed evaluation keeps every sample written."""
+    lines: dict[str, list[str]] = {}
+    for bench, record in graded:
+        plans[bench].records[(record["problem_id"], record["sample"])] = record
+        lines.setdefault(bench, []).append(json.dumps(record, ensure_ascii=False) + "\n")
+    for bench, bench_lines in lines.items():
+        with open(plans[bench].cache, "a") as f:
+            f.write("".join(bench_lines))

@@ -9,7 +9,6 @@ and failed calls.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.console import Console
@@ -17,7 +16,7 @@ from rich.console import Console
 from m2po_cli.answers import extract_boxed
 from m2po_cli.data import Problem, Prompt
 from m2po_cli.eval.config import Protocol
-from m2po_cli.eval.data import BenchPlan, EvalProblem, Job
+from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, append_records
 from m2po_cli.eval.sampling import progress_bars, sample_seed, sampling_params
 from m2po_cli.grader import Grader
 from m2po_cli.rollout.episode import Episode, Episodes, sample_episodes
@@ -79,21 +78,21 @@ def append(
     scores: list[Any] = [e.reward for e in done]
     for k, score in zip(todo, graded, strict=True):
         scores[k] = score
-    lines: dict[str, list[str]] = {}
-    for (job, sample), episode, score in zip(chunk, done, scores, strict=True):
-        record = {
-            "problem_id": job.problem.id,
-            "sample": sample,
-            "answer": extract_boxed(episode.text),
-            "correct": score == 1.0,
-            "tokens": sum(len(c.token_ids) for c in episode.turns),
-            "finished": episode.finished,
-            "turns": len(episode.turns),
-            "tool_calls": episode.tool_calls,
-            "tool_failures": episode.tool_failures,
-        }
-        plans[job.bench].records[(job.problem.id, sample)] = record
-        lines.setdefault(job.bench, []).append(json.dumps(record, ensure_ascii=False) + "\n")
-    for bench, bench_lines in lines.items():
-        with open(plans[bench].cache, "a") as f:
-            f.write("".join(bench_lines))
+    graded = [
+        (
+            job.bench,
+            {
+                "problem_id": job.problem.id,
+                "sample": sample,
+                "answer": extract_boxed(episode.text),
+                "correct": score == 1.0,
+                "tokens": sum(len(c.token_ids) for c in episode.turns),
+                "finished": episode.finished,
+                "turns": len(episode.turns),
+                "tool_calls": episode.tool_calls,
+                "tool_failures": episode.tool_failures,
+            },
+        )
+        for (job, sample), episode, score in zip(chunk, done, scores, strict=True)
+    ]
+    append_records(plans, graded)

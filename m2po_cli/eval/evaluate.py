@@ -31,7 +31,7 @@ from rich.measure import Measurement
 from m2po_cli.answers import extract_boxed
 from m2po_cli.data import DataError
 from m2po_cli.eval.config import BenchmarkSpec, EngineOptions, EvalConfig, Protocol
-from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, digest
+from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, append_records, digest
 from m2po_cli.eval.episodes import as_row, run_episodes
 from m2po_cli.eval.report import markdown_table, rich_table, summarize_benchmark, summarize_target
 from m2po_cli.eval.sampling import progress_bars, sample_seed, sampling_params
@@ -124,7 +124,7 @@ def evaluate_target(
     info = {"label": target.label, "kind": target.kind, "path": target.path, "model_dir": str(model_dir)}
     (target_dir / "target.json").write_text(json.dumps(info, indent=2) + "\n")
     episodes = target_episodes(cfg, model_dir, target.path)
-    plans = plan_target(target, model_dir, specs, problems, cfg, target_dir, limit)
+    plans = plan_target(target, model_dir, specs, problems, cfg, target_dir, limit, episodes)
     jobs = [job for plan in plans for job in plan.jobs]
     _report_plan(console, target.label, plans, jobs)
     if jobs:
@@ -170,6 +170,7 @@ def plan_target(
     cfg: EvalConfig,
     target_dir: Path,
     limit: int | None,
+    episodes: Episodes,
 ) -> list[BenchPlan]:
     from transformers import AutoTokenizer
 
@@ -177,7 +178,6 @@ def plan_target(
 
     protocol = cfg.protocol
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    episodes = target_episodes(cfg, model_dir, target.path)  # an environment's opening and tools
     max_len = context_length(model_dir, cfg)
     identity = target.identity()
     env = [cfg.env.model_dump()] if cfg.env.name else []  # one turn: the key of a run without [env]
@@ -313,21 +313,21 @@ def grade_and_append(
     scores = grader.grade_many(
         [c.text for _, _, c in finished], [job.problem.answer for job, _, _ in finished]
     )
-    lines: dict[str, list[str]] = {}
-    for (job, sample, completion), score in zip(finished, scores, strict=True):
-        record = {
-            "problem_id": job.problem.id,
-            "sample": sample,
-            "answer": extract_boxed(completion.text),
-            "correct": score == 1.0,
-            "tokens": len(completion.token_ids),
-            "finished": is_finished(completion.finish_reason),
-        }
-        plans[job.bench].records[(job.problem.id, sample)] = record
-        lines.setdefault(job.bench, []).append(json.dumps(record, ensure_ascii=False) + "\n")
-    for bench, bench_lines in lines.items():
-        with open(plans[bench].cache, "a") as f:
-            f.write("".join(bench_lines))
+    graded = [
+        (
+            job.bench,
+            {
+                "problem_id": job.problem.id,
+                "sample": sample,
+                "answer": extract_boxed(completion.text),
+                "correct": score == 1.0,
+                "tokens": len(completion.token_ids),
+                "finished": is_finished(completion.finish_reason),
+            },
+        )
+        for (job, sample, completion), score in zip(finished, scores, strict=True)
+    ]
+    append_records(plans, graded)
     advance(len(finished))
 
 

@@ -1,6 +1,6 @@
 """Episodes: what a rollout is. The prompt, then the model's sampled turns and the environment's
 messages alternating, then the reward. Both rollout modes sample episodes through `EpisodeGroup`
-and nothing else; a finished group is graded and packed once (`train/packed.py`).
+and nothing else; a finished group is graded and packed once (`train/pack.py`).
 
 Without an environment an episode is one turn: exactly the prompt's sampled response. With one
 (`[env]`), after each model turn that ended on its end-of-turn token the environment answers
@@ -54,7 +54,7 @@ class Episode:
 
     @property
     def token_ids(self) -> list[int]:
-        return [t for s in self.segments for t in (s.token_ids if isinstance(s, Completion) else s)]
+        return [t for s in self.segments for t in self._tokens(s)]
 
     @property
     def trained(self) -> list[bool]:
@@ -151,7 +151,7 @@ def row_of(problem: Problem) -> dict:
 
 class EpisodeGroup:
     """The `n` episodes of one prompt, turn by turn: `requests()` says which turns to sample next,
-    `take` adds one. `done` once every episode has ended."""
+    `take` adds one; `open` holds the episodes not ended yet."""
 
     def __init__(self, episodes: Episodes, prompt: Prompt, seed: int, completions: list[Completion]):
         self.runner, self.prompt, self.seed = episodes, prompt, seed
@@ -164,10 +164,6 @@ class EpisodeGroup:
                 s.reset(row_of(prompt.problem))
         for i, c in enumerate(completions):
             self.take(i, c)
-
-    @property
-    def done(self) -> bool:
-        return not self.open
 
     def tokens(self, i: int) -> list[int]:
         """What episode `i`'s next turn is given: the prompt and the episode so far."""
@@ -269,12 +265,10 @@ def episodes_of(cfg: EnvConfig, max_new_tokens: int, tokenizer: Any, model_dir: 
 
 def end_of_turn_ids(model_dir: Path, tokenizer: Any) -> list[int]:
     """The tokens an engine stops a turn on: the tokenizer's EOS and the generation config's."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     config = model_dir / "generation_config.json"
-    if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(ids)
+    eos = json.loads(config.read_text()).get("eos_token_id") if config.is_file() else None
+    ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])}
+    return sorted(ids - {None})
 
 
 Sample = Callable[[list[int], int, int | None], Awaitable[list[Completion] | None]]

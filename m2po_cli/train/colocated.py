@@ -62,7 +62,6 @@ class ColocatedSource:
         restored: Restored | None,
     ):
         self.recipe, self.learner, self.prompts, self.recorder = recipe, learner, prompts, recorder
-        self.episodes = episodes
         self.queue = StalenessQueue(recipe.queue_batches)
         self.newest: dict[str, float] = {}
         self._stack = ExitStack()
@@ -73,6 +72,7 @@ class ColocatedSource:
                 workers = grader_workers(max(1, local))
                 self.grader = self._stack.enter_context(recipe_grader(recipe, workers))
             self.engine = build_engine(model_dir, recipe, learner.world, log)
+            self.sampler = Sampler(self.engine, self.grader, episodes)
             self._stack.callback(self.engine.close)
             if restored is not None:
                 self.queue.load(restored.path, learner.rank, learner.world)
@@ -132,8 +132,7 @@ class ColocatedSource:
         self.close()
 
     def _rollout(self, index: int) -> PackedRollouts:
-        engine = Sampler(self.engine, self.grader, self.episodes)
-        batch = rollout(engine, self.prompts, self.learner, self.recipe, self.recorder, index)
+        batch = rollout(self.sampler, self.prompts, self.learner, self.recipe, self.recorder, index)
         self.newest = {NEWEST_REWARD: batch.meta.pop(NEWEST_REWARD), NEWEST_VERSION: float(batch.version)}
         return batch
 

@@ -21,7 +21,7 @@ from m2po_cli.config import PAPER_PROMPT_TEMPLATE, ConfigError
 from m2po_cli.config.tables import to_toml
 from m2po_cli.eval.config import EVALS_DIR, load_benchmarks, load_eval_config
 from m2po_cli.eval.data import BenchPlan, EvalProblem, Job, load_problems
-from m2po_cli.eval.evaluate import grade_and_append, plan_target, read_records
+from m2po_cli.eval.evaluate import grade_and_append, plan_target, read_records, target_episodes
 from m2po_cli.eval.report import pass_at_k, pass_ks
 from m2po_cli.eval.targets import Target, TargetError, export_step, resolve_targets
 from m2po_cli.grader import Grader
@@ -258,7 +258,16 @@ def test_prompts_that_do_not_fit_are_skipped_and_long_responses_clamped(tmp_path
     }
     (spec,) = load_benchmarks(["aime24"])
     cfg = load_eval_config(None, ['protocol.prompt_template="{problem}"', "protocol.max_new_tokens=64"])
-    (plan,) = plan_target(Target("tiny", "model", str(tiny)), tiny, [spec], problems, cfg, tmp_path, None)
+    (plan,) = plan_target(
+        Target("tiny", "model", str(tiny)),
+        tiny,
+        [spec],
+        problems,
+        cfg,
+        tmp_path,
+        None,
+        target_episodes(cfg, tiny, "tiny"),
+    )
     assert plan.skipped == ["long"] and plan.clamped == 1
     short, mid = plan.jobs
     assert short.max_tokens == 64 and short.samples == list(range(16))

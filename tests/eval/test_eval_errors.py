@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from m2po_cli.cli import main
 from m2po_cli.eval.config import EVALS_DIR, load_benchmarks, load_eval_config
 from m2po_cli.eval.data import load_problems
-from m2po_cli.eval.evaluate import plan_target, slug
+from m2po_cli.eval.evaluate import plan_target, slug, target_episodes
 from m2po_cli.eval.targets import resolve_targets
 from m2po_cli.models import resolve_model
 
@@ -117,7 +117,16 @@ def _cache_every_sample(model: Path, out: Path) -> Path:
     (target,) = resolve_targets([str(model)], all_checkpoints=False)
     target_dir = out / f"{slug(target.label)}-{target.identity()[:8]}"
     target_dir.mkdir(parents=True)
-    (plan,) = plan_target(target, target.model_dir(), specs, problems, cfg, target_dir, 1)
+    (plan,) = plan_target(
+        target,
+        target.model_dir(),
+        specs,
+        problems,
+        cfg,
+        target_dir,
+        1,
+        target_episodes(cfg, target.model_dir(), target.path),
+    )
     records = [
         {
             "problem_id": job.problem.id,
