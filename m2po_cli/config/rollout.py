@@ -80,6 +80,13 @@ class RolloutConfig(EngineTable):
         "first sync; one that does not stops the run, named.",
         gt=0,
     )
+    sync_timeout_s: float = field(
+        300.0,
+        "Separate mode: seconds one weight sync may take. An engine the run started that exits during a "
+        "sync, or a sync that outlasts this, ends the run in one line naming the engine (a NCCL sync "
+        "would otherwise wait for run.collective_timeout_minutes).",
+        gt=0,
+    )
     request_timeout_s: float = field(
         1800.0,
         "Separate mode: seconds one rollout request may take, and the longest the learner waits with no "

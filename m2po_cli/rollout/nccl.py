@@ -15,7 +15,7 @@ full parameter (1.2 GB for the 8B model's embedding) plus the two buffers.
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
@@ -102,12 +102,27 @@ def learner_source(learner, dtype: torch.dtype):
             return Metadata(ParamMeta(name, dtype, tuple(shape)) for name, shape in learner.hf_shapes())
 
         def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
-            return iter(learner.hf_weights(dtype))
+            return after_default_stream(learner.hf_weights(dtype))
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
             return self.iter_full()
 
     return LearnerSource()
+
+
+def after_default_stream(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, each one gathered after the default stream's work: vLLM's packed broadcast draws
+    the source under CUDA streams of its own (one per buffer), and nothing else orders those gathers
+    after `optimizer.step()`, which updates the shards on the default stream."""
+    items = iter(weights)
+    while True:
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream())
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        yield item
 
 
 def trainer_init_info(address: str, port: int, world_size: int, rank: int):

@@ -33,6 +33,7 @@ import functools
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -70,7 +71,7 @@ class RolloutProducer:
         schedule: Schedule,
         max_staleness: int,
         version: int,
-        in_flight: list[Ticket] = (),
+        in_flight: list[Ticket | Group] = (),
         fresh: list[Ticket] = (),
         settle: Settle | None = None,
         run_seed: int = 0,
@@ -88,18 +89,18 @@ class RolloutProducer:
         self.cond = threading.Condition()
         self.engine_version = version
         # The learner has consumed the groups of the steps before `version`; the carried ones were
-        # admitted already, in order.
+        # admitted already, in order: prompts to (re)generate, or groups a checkpoint kept settled.
         self.consumed = schedule.step_start(version)
-        # Admitted, to be (re)generated: (admission index, prompt).
-        self.resubmit: deque[tuple[int, Ticket]] = deque(enumerate(in_flight, start=self.consumed))
-        self.admitted = self.consumed + len(self.resubmit)
+        carried = list(enumerate(in_flight, start=self.consumed))
+        self.resubmit: deque[tuple[int, Ticket]] = deque((i, t) for i, t in carried if isinstance(t, Ticket))
+        self.admitted = self.consumed + len(carried)
         self.fresh: deque[Ticket] = deque(fresh)  # pulled from the data, not admitted yet
         self.running: dict[int, tuple[int, Ticket, str]] = {}  # requests in flight by key: index, prompt, URL
         self.load = {s.url: 0 for s in servers}  # requests in flight per server
         self.servers_by_url = {s.url: s for s in servers}
         self.finished: list[tuple[Finished, int]] = []  # answered, waiting to be settled (with index)
         self.settling: list[tuple[Finished, int]] = []  # being settled now
-        self.done: dict[int, Group] = {}  # by admission index
+        self.done = {i: replace(g, index=i) for i, g in carried if isinstance(g, Group)}  # by admission index
         self.syncing = self.stopping = False
         self.error: BaseException | None = None
         self._next_key = self._failures = 0

@@ -61,14 +61,19 @@ class EngineServer:
         """Start `vllm serve` on a free local port, its output in `log_path`; wait until it answers.
 
         `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
-        proc, port = spawn(model_dir, cfg, dtype, max_model_len, log_path, devices)
-        server = cls(f"http://127.0.0.1:{port}", proc, log_path)
+        server = cls.spawn(model_dir, cfg, dtype, max_model_len, log_path, devices)
         try:
             server.wait_ready(cfg.server_start_timeout_s)
         except BaseException:
             server.close()
             raise
         return server
+
+    @classmethod
+    def spawn(cls, model_dir, cfg, dtype, max_model_len, log_path, devices=None) -> EngineServer:
+        """`start` without the wait: the server loads its model while the caller goes on."""
+        proc, port = spawn(model_dir, cfg, dtype, max_model_len, log_path, devices)
+        return cls(f"http://127.0.0.1:{port}", proc, log_path)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the server answers /health (it loads the model meanwhile): one this run started,
@@ -248,13 +253,13 @@ class EngineServer:
                 f"version {version}: another trainer may be updating it; give this run its own server"
             )
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 20.0) -> None:
         """Close the connection; if this run started the server, stop it and every process it
-        started, whether or not the server itself is still alive."""
+        started, whether or not the server itself is still alive (SIGKILL after `grace_s`)."""
         self.http.close()
         if self.proc is None:
             return
-        stop_tree(self.proc.pid, also=self.children)
+        stop_tree(self.proc.pid, grace_s, also=self.children)
         self.proc.wait()
 
 

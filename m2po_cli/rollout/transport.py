@@ -124,8 +124,11 @@ class WeightTransport:
         self.seconds, self.num_bytes, self.num_syncs = 0.0, 0, 0
         return m
 
+    def remove_files(self) -> None:
+        """What the transport keeps outside the process (shared memory), removed; any thread may call it."""
+
     def close(self) -> None:
-        pass
+        self.remove_files()
 
 
 class ShmWeightTransport(WeightTransport):
@@ -174,13 +177,16 @@ class ShmWeightTransport(WeightTransport):
             error, self.load_error = self.load_error, None
             raise error
 
+    def remove_files(self) -> None:
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
     def close(self) -> None:
         try:
             if self.loading is not None:
                 self.loading.join()
         finally:
-            if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            self.remove_files()
 
 
 def resolve_transport(choice: str) -> str:

@@ -24,6 +24,7 @@ from m2po_cli.data import PromptBatches
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import all_reduce
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
+from m2po_cli.learner.optimizer_state import allocate_state
 from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.engine import RolloutEngine, VLLMEngine
@@ -82,7 +83,15 @@ class ColocatedSource:
             raise
 
     def start(self, first_step: int) -> None:
-        """Fill the FIFO with its K warm-up batches, from the initial policy (not counted as steps)."""
+        """Fill the FIFO with its K warm-up batches, from the initial policy (not counted as steps).
+
+        First, what the first step after the warm-up does: the optimizer's state allocated, the engine
+        put to sleep and woken by a push of the learner's weights (the same weights: nothing sampled
+        changes). A wake that does not fit beside the learner, or a push that fails its checks, stops
+        the run in its first minutes, not after the K batches (1-2 hours at the 8B recipe)."""
+        allocate_state(self.learner.optimizer)
+        self.engine.sleep()
+        sync_weights(self.learner, self.engine)
         while not self.queue.warm:
             self.queue.push(self._rollout(len(self.queue.queue) - self.recipe.queue_batches))
 

@@ -11,12 +11,20 @@ keeps the bound).
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import sys
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from m2po_cli.checkpoint import Restored
@@ -26,19 +34,22 @@ from m2po_cli.device import resolve_dtype, torch_dtype
 from m2po_cli.grader import Grader, grader_workers, recipe_grader
 from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
+from m2po_cli.rollout.deadline import SyncWatch
 from m2po_cli.rollout.episode import Episodes
 from m2po_cli.rollout.producer import RolloutProducer
-from m2po_cli.rollout.server import EngineServer
+from m2po_cli.rollout.server import EngineServer, Load
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
 from m2po_cli.rollout.types import Finished, Group, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
+from m2po_cli.train.fifo import unshared
 from m2po_cli.train.pack import grade_and_pack
 from m2po_cli.train.packed import PackedRollouts, distribute
 from m2po_cli.train.runlog import RunLog, forget_steps_from
 
 TRAINED_LOG = "trained_prompts.jsonl"
+SETTLED = "settled_groups.safetensors"  # rank 0's, in each checkpoint folder
 
 
 class SeparateSource:
@@ -88,9 +99,18 @@ class SeparateSource:
         carried = {
             k: [Ticket(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")
         }
+        settled = load_settled(restored.path) if restored is not None else {}
+        carried["in_flight"] = [
+            settled[t.epoch, t.prompt.problem.index].with_prompt(t.prompt)
+            if (t.epoch, t.prompt.problem.index) in settled
+            else t
+            for t in carried["in_flight"]
+        ]
+        regenerate = sum(isinstance(t, Ticket) for t in carried["in_flight"])
         if carried["in_flight"]:
             log.message(
-                f"regenerating {len(carried['in_flight'])} prompts that were in flight (partial responses are not kept)"
+                f"kept {len(carried['in_flight']) - regenerate} settled groups of the checkpoint, trained as they "
+                f"were; regenerating {regenerate} prompts that were in flight (partial responses are not kept)"
             )
         forget_steps_from(self.run_dir / TRAINED_LOG, loop["step"])
         servers = start_servers(recipe, model_dir, self.run_dir, log.message)
@@ -140,7 +160,12 @@ class SeparateSource:
         return self.producer.snapshot() if self.producer is not None else {}
 
     def save(self, folder: Path) -> None:
-        """Nothing per rank: the prompts in flight travel in the loop state."""
+        """Rank 0: the settled groups not yet trained, rows and all (`save_settled`); the prompts in
+        flight travel in the loop state."""
+        if self.producer is not None:
+            with self.producer.cond:
+                groups = [self.producer.done[i] for i in sorted(self.producer.done)]
+            save_settled(folder, groups)
 
     def take_metrics(self) -> dict[str, float]:
         metrics = self.transport.take_metrics()
@@ -159,14 +184,19 @@ class SeparateSource:
 
 
 def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer | None) -> WeightTransport:
-    """The recipe's weight transport (every rank builds it; only rank 0 has the producer)."""
+    """The recipe's weight transport (every rank builds it; only rank 0 has the producer, and there
+    every sync runs under a `SyncWatch` whose abort stops the engines and removes the transport's
+    files before the process ends)."""
     cfg, dtype = recipe.rollout, torch_dtype(recipe.model.dtype)
-    swap = producer.swap if producer is not None else None
+    swap, transport = None, None
+    if producer is not None:
+        abort = abort_run(producer.servers, lambda: transport is not None and transport.remove_files())
+        swap = watched(producer.swap, SyncWatch(producer.servers, cfg.sync_timeout_s, abort))
     if resolve_transport(cfg.weight_transport) == "nccl":
         from m2po_cli.rollout.nccl import NcclWeightTransport
 
         servers = producer.servers if producer is not None else None
-        return NcclWeightTransport(
+        transport = NcclWeightTransport(
             learner.rank,
             cfg.sync_every,
             dtype,
@@ -176,7 +206,34 @@ def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer |
             cfg.transport_address,
             cfg.rendezvous_timeout_s,
         )
-    return ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
+    else:
+        transport = ShmWeightTransport(learner.rank, cfg.sync_every, dtype, swap, recipe.run.name)
+    return transport
+
+
+def watched(swap: Callable[[Load, int], None], watch: SyncWatch) -> Callable[[Load, int], None]:
+    def run(load: Load, version: int) -> None:
+        with watch.watching(version):
+            swap(load, version)
+
+    return run
+
+
+def abort_run(servers: list[EngineServer], remove_files: Callable[[], object]) -> Callable[[str], None]:
+    """How a `SyncWatch` ends the run from its own thread while the main one may be stuck in a
+    collective: the line (last on the console), the engines stopped, the files removed, exit code 2
+    (a user error's); torchrun then stops the other ranks."""
+
+    def abort(line: str) -> None:
+        sys.stdout.flush()
+        for server in servers:
+            server.close(grace_s=5.0)
+        remove_files()
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+    return abort
 
 
 def start_servers(
@@ -201,20 +258,45 @@ def start_servers(
     say(f"starting {cfg.num_engines} vllm serve engine(s) (at most {wait}); output: {run_dir}/engine-*.log")
     servers: list[EngineServer] = []
     try:
-        for i in range(cfg.num_engines):
-            dtype = resolve_dtype(recipe.model.dtype)
-            log_path = run_dir / f"engine-{i}.log"
+        t0, windows = time.monotonic(), []
+        for i in range(cfg.num_engines):  # all spawned, then all waited for: they load at once
             devices = None
             if torch.cuda.is_available():
                 tp, local = cfg.tensor_parallel_size, launch().local_world
                 devices = engine_devices(i, tp, local, torch.cuda.device_count())
-            servers.append(EngineServer.start(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
-            servers[-1].check(signature, recipe.max_model_len)
+            dtype, log_path = resolve_dtype(recipe.model.dtype), run_dir / f"engine-{i}.log"
+            windows.append(time.monotonic() - t0)
+            servers.append(EngineServer.spawn(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
+        ready = wait_all(servers, cfg.server_start_timeout_s, t0)
+        for s in servers:
+            s.check(signature, recipe.max_model_len)
     except BaseException:
         for s in servers:
             s.close()
         raise
+    shown = ", ".join(
+        f"engine-{i} {a:.1f}-{b:.1f} s" for i, (a, b) in enumerate(zip(windows, ready, strict=True))
+    )
+    say(f"vllm serve engine(s) ready, from spawn to /health: {shown}")
     return servers
+
+
+def wait_all(servers: list[EngineServer], timeout_s: float, t0: float) -> list[float]:
+    """Wait for every spawned server at once; each one's ready time since `t0`. The first to fail
+    stops the others (their waits then end at once) and its error is raised."""
+
+    def wait(server: EngineServer) -> float:
+        server.wait_ready(timeout_s)
+        return time.monotonic() - t0
+
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        futures = [pool.submit(wait, s) for s in servers]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for s in servers:
+                s.close(grace_s=5.0)
+            raise
 
 
 def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[PackedRollouts]:
@@ -228,6 +310,54 @@ def settle(finished: list[Finished], grader: Grader, recipe: Recipe) -> list[Pac
         [f.version for f in finished],
         recipe.algorithm,
     )
+
+
+def save_settled(folder: Path, groups: list[Group]) -> None:
+    """The groups the producer has settled and the learner not yet taken, to `SETTLED`: their rows
+    are tensors already, so a resume trains them as they were (their tokens as stale) instead of
+    generating them again. At the 8B recipe's admission bound that is up to ~16,000 groups, about
+    200 M tokens at ~13 bytes each (token, behaviour logprob, version, trained flag): ~2.6 GB, once
+    per checkpoint, against 1.4-1.7 hours of 4 engines to regenerate them."""
+    if not groups:
+        return
+    rows = PackedRollouts.cat([g.rows for g in groups], torch.arange(sum(g.rows.num_rows for g in groups)))
+    table = {
+        "table/epoch_G": torch.tensor([g.epoch for g in groups]),
+        "table/problem_G": torch.tensor([g.prompt.problem.index for g in groups]),
+        "table/version_G": torch.tensor([g.version for g in groups]),
+        "table/rows_G": torch.tensor([g.rows.num_rows for g in groups]),
+    }
+    save_file(unshared(rows.tensors() | table), str(folder / SETTLED))
+
+
+def load_settled(folder: Path) -> dict[tuple[int, int], Kept]:
+    """What `save_settled` wrote, by (epoch, problem index); nothing for a checkpoint without it."""
+    path = folder / SETTLED
+    if not path.exists():
+        return {}
+    tensors = load_file(str(path))
+    table = {
+        k.removeprefix("table/"): tensors.pop(k).tolist() for k in list(tensors) if k.startswith("table/")
+    }
+    rows = PackedRollouts.from_tensors(min(table["version_G"]), tensors, {})
+    starts = [0, *itertools.accumulate(table["rows_G"])]
+    return {
+        (epoch, problem): Kept(rows.take(torch.arange(a, b)), version, epoch)
+        for epoch, problem, version, a, b in zip(
+            table["epoch_G"], table["problem_G"], table["version_G"], starts[:-1], starts[1:], strict=True
+        )
+    }
+
+
+class Kept(NamedTuple):
+    """A settled group read back from a checkpoint, waiting for its prompt."""
+
+    rows: PackedRollouts
+    version: int
+    epoch: int
+
+    def with_prompt(self, prompt) -> Group:
+        return Group(self.epoch, prompt, replace(self.rows, version=self.version), self.version, -1)
 
 
 def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group]) -> None:

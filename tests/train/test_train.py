@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import tomllib
 
@@ -78,3 +79,22 @@ def test_resume_replays_the_same_batches(uninterrupted, tmp_path):
             assert a[key] == b[key], key
         assert a["loss/num_tokens"] == b["loss/num_tokens"]
         assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=1e-5)
+
+
+def test_a_push_that_fails_its_check_stops_a_colocated_run_before_its_warm_up(tmp_path, monkeypatch):
+    """At s = 256 (here 128 rollout batches of warm-up before the first update and push), a learner
+    whose weights leave a parameter of the engine without new values must stop the run before the
+    first of those batches is generated."""
+    from m2po_cli.errors import RunError
+    from m2po_cli.learner.policy import Learner
+    from m2po_cli.rollout.engine import VLLMEngine
+
+    generated, generate = [], VLLMEngine.generate
+    monkeypatch.setattr(VLLMEngine, "generate", lambda self, *a: generated.append(1) or generate(self, *a))
+    weights = Learner.hf_weights  # the first tensor (the embedding) never sent: a name-mapping bug
+    monkeypatch.setattr(
+        Learner, "hf_weights", lambda self, dtype: itertools.islice(weights(self, dtype), 1, None)
+    )
+    with pytest.raises(RunError, match="weight push: parameters the push did not carry"):
+        train(recipe_for(tmp_path, *SMALL, "staleness.s=256", "run.steps=1"))
+    assert generated == [], "the warm-up started before the first push"
