@@ -50,6 +50,19 @@ def init_distributed(timeout: timedelta | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def set_group_timeouts(timeout: timedelta) -> None:
+    """Give every process group this rank belongs to `timeout` (both backends of a two-backend one).
+
+    torch creates a group (`new_group`, `split_group`, a device mesh's dimensions) with its own
+    default timeout, 30 minutes for gloo and 10 for NCCL, not the default group's, so an HSDP mesh's
+    groups would cut a wait short that `init_distributed`'s timeout allows. Groups of torchtitan's
+    "fake" backend, for mesh dimensions of size 1, run no collective and are left alone."""
+    c10d = dist.distributed_c10d
+    for group, (backend, _) in list(c10d._world.pg_map.items()):
+        if backend != "fake":
+            c10d._set_pg_timeout(timeout, group)
+
+
 def transfer_device() -> torch.device | None:
     """Where bulk collectives (rows, tokens) travel: the rank's GPU, whose backend (NCCL) is the
     fast one; None on the CPU (host tensors stay where they are)."""

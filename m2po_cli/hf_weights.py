@@ -1,9 +1,11 @@
-"""The learner's weights under HF names: streamed to the rollout engines, exported as safetensors.
+"""The learner's weights under HF names: read in from the checkpoint, streamed to the rollout engines,
+exported as safetensors.
 
 torchtitan's FQNs map to HF names through the model's state-dict adapter (`titan.py`); the map is
 built once from shapes alone. Every walk over the weights is a collective when the model is sharded
 (each parameter's `full_tensor()` is an all-gather), so every rank walks them in step, and only one
-full parameter exists at a time, on the learner's device.
+full parameter exists at a time, on the learner's device. Loading is the same walk backwards: rank 0
+alone reads the checkpoint and broadcasts it one tensor at a time (`load_hf`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
+
+
+def load_hf(model: torch.nn.Module, adapter, model_dir: Path, rank: int) -> None:
+    """Fill the (sharded, materialized) `model` with the HF checkpoint in `model_dir`. A collective.
+
+    Rank 0 alone reads the safetensors files and converts them to torchtitan names; every tensor is
+    then broadcast from it one at a time, in the checkpoint's dtype, on the group's device (NCCL on a
+    GPU), and each rank keeps its shard of it (`broadcast_from_rank0`). The other ranks never open
+    the files: one read of the checkpoint and one host-to-device copy per job, not per rank, and no
+    rank but 0 holds a host copy of it (docs/cluster.md). The shards are the ones every rank reading
+    the checkpoint itself would get: FSDP2 sliced those from rank 0's copy too.
+    """
+    state = {}
+    if rank == 0:
+        hf_state = {}
+        for shard in sorted(Path(model_dir).glob("*.safetensors")):
+            hf_state.update(load_file(str(shard)))
+        state = adapter.from_hf(hf_state)
+    options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, state, options=options)
 
 
 class HFWeights:

@@ -4,7 +4,8 @@ The directory holds `config.json`, `model.safetensors`, `generation_config.json`
 files with a chat template; transformers, torchtitan's state-dict adapters and vLLM all load it.
 
 - A local directory is used as is.
-- A hub id (`org/name`) is downloaded once with `huggingface_hub.snapshot_download`.
+- A hub id (`org/name`) is downloaded once with `huggingface_hub.snapshot_download`, by one rank a
+  node (`_download`).
 - A builtin is built offline, once, into `$M2PO_CACHE/models/<name>-<hash of its build spec>`
   (`$M2PO_CACHE` defaults to `~/.cache/m2po`). The spec holds the torch and transformers versions
   that build it: their float kernels decide the built weights, so a build by other versions is
@@ -45,12 +46,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from m2po_cli.builtin_models import SmolLM2Gguf, TinyQwen3, WarmStart, build_portable, spec_dict
 from m2po_cli.console import note
 from m2po_cli.errors import UserError
+from m2po_cli.torchrun import launch
 
 # Bump when a builder's code changes what it writes, so caches built by older code are not reused.
 BUILD_VERSION = 2
@@ -128,7 +131,41 @@ def present_dir(path: str) -> Path | None:
     return None
 
 
+DOWNLOAD_WAIT = timedelta(hours=2)  # how long a node's other ranks wait for its local rank 0's download
+
+
 def _download(hub_id: str) -> Path:
+    """The hub snapshot of `hub_id`, fetched once per node: under torchrun the node's local rank 0
+    downloads it and hands its path to the node's other ranks through torchrun's store (each node
+    its own key, by `GROUP_RANK`), so they never contact the hub and all read the same snapshot.
+    One process, or a launcher without torchrun's store: the process fetches it itself."""
+    shape = launch()
+    if shape.local_world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _fetch(hub_id)
+    from torch.distributed import DistStoreError, TCPStore
+
+    env = os.environ
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=DOWNLOAD_WAIT)
+    key = f"m2po/model/node{env.get('GROUP_RANK', '0')}/{hub_id}"
+    if shape.local_rank == 0:
+        try:
+            path = _fetch(hub_id)
+        except ModelError as e:  # the node's other ranks fail with the same line, not by timing out
+            store.set(key, json.dumps({"error": str(e)}))
+            raise
+        store.set(key, json.dumps({"path": str(path)}))
+        return path
+    try:
+        store.wait([key])
+    except DistStoreError as e:  # the wait timed out, or the store went away with torchrun's agent
+        raise ModelError(f"{hub_id}: local rank 0 did not download it within {DOWNLOAD_WAIT} ({e})") from None
+    answer = json.loads(store.get(key))
+    if "error" in answer:
+        raise ModelError(answer["error"])
+    return Path(answer["path"])
+
+
+def _fetch(hub_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     # Weights in formats other than safetensors would only double the download.

@@ -457,6 +457,21 @@ def test_parallel_degrees_that_fit():
         load_recipe(QUICKSTART, ["parallel.dp_shard=0"])
 
 
+def test_fsdp_over_nodes_gets_the_hsdp_suggestion():
+    """Qwen3-8B's 8.19 B parameters on 2 nodes of 8 GPUs: 16 bytes a parameter over 8 GPUs (a
+    replica a node) or over 16 (FSDP). Suggested, never taken: one node, or replicas already, say
+    nothing."""
+    fsdp = load_recipe(QUICKSTART).parallel
+    assert fsdp.layout_advice(16, 8, 8_190_000_000) == (
+        "parallel.dp_replicate is 1 on 2 nodes: FSDP gathers every layer across nodes in each forward and "
+        "backward; HSDP (parallel.dp_replicate = 2, dp_shard = -1) keeps them within a node and sends only "
+        "gradients between nodes, at 16.4 GB of learner state a GPU instead of 8.2 GB"
+    )
+    assert fsdp.layout_advice(8, 8, 8_190_000_000) is None
+    hsdp = load_recipe(QUICKSTART, ["parallel.dp_replicate=2"]).parallel
+    assert hsdp.layout_advice(16, 8, 8_190_000_000) is None
+
+
 # --- --set overrides -----------------------------------------------------------------------------
 
 

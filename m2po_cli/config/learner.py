@@ -89,6 +89,24 @@ class ParallelConfig(Table):
             )
         return None
 
+    def layout_advice(self, world: int, local_world: int, num_params: int) -> str | None:
+        """A one-line suggestion for a launch of `world` processes, `local_world` a node, when the
+        model is sharded over several nodes with no replicas (plain FSDP: every layer's gathers and
+        gradient reduce-scatters cross the network); None otherwise. HSDP is suggested, not taken:
+        with a replica a node, each GPU holds `nodes` times the learner state it holds under FSDP
+        (16 bytes a parameter: fp32 weights, gradients, two AdamW moments), which a model that fits
+        under FSDP may not fit (docs/cluster.md, "How the learner spans nodes")."""
+        nodes = world // local_world
+        if self.dp_replicate != 1 or nodes < 2 or world % local_world:
+            return None
+        state_gb = 16 * num_params / 1e9
+        return (
+            f"parallel.dp_replicate is 1 on {nodes} nodes: FSDP gathers every layer across nodes in each "
+            f"forward and backward; HSDP (parallel.dp_replicate = {nodes}, dp_shard = -1) keeps them within "
+            f"a node and sends only gradients between nodes, at {state_gb / local_world:.1f} GB of learner "
+            f"state a GPU instead of {state_gb / world:.1f} GB"
+        )
+
 
 class OptimConfig(Table):
     lr: float = field(1e-6, "AdamW learning rate.", gt=0)

@@ -9,10 +9,13 @@ PREMUL_SUM/AVG reduce-scatter anyway).
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from m2po_cli.distributed import set_group_timeouts
 from m2po_cli.titan import ParallelDims, accept_attention_masks, use_fused_attention
 
 
@@ -24,10 +27,11 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy | None:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def data_parallel_mesh(replicate: int, shard: int, world: int) -> DeviceMesh:
+def data_parallel_mesh(replicate: int, shard: int, world: int, timeout: timedelta) -> DeviceMesh:
     """The mesh FSDP2 shards over, from torchtitan's parallel dims: `fsdp` (shard ranks) alone, or
     `dp_replicate` x `fsdp` for HSDP (gradients reduce-scattered within a shard group, then summed
-    across the replicas)."""
+    across the replicas). Every process group the mesh creates waits `timeout` in a collective, as
+    the default group does (torch gives a mesh's groups its own default, not the default group's)."""
     dims = ParallelDims(
         dp_replicate=replicate,
         dp_shard=shard,
@@ -39,6 +43,7 @@ def data_parallel_mesh(replicate: int, shard: int, world: int) -> DeviceMesh:
         spmd_backend="partial_dtensor",
     )
     dims.build_mesh()
+    set_group_timeouts(timeout)
     return dims.get_mesh(["dp_replicate", "fsdp"]) if replicate > 1 else dims.get_mesh("fsdp")
 
 

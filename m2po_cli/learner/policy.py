@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -31,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
+from m2po_cli.console import note
 from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import add_into, init_distributed, sum_over_ranks
-from m2po_cli.hf_weights import HFWeights
+from m2po_cli.hf_weights import HFWeights, load_hf
 from m2po_cli.learner.batch import IDLE, Batch, plan_micro_batches
 from m2po_cli.learner.forward import forward_logprobs
 from m2po_cli.learner.logprobs import install_head
@@ -42,6 +41,7 @@ from m2po_cli.learner.parallelize import data_parallel_mesh, parallelize
 from m2po_cli.loss import PolicyLoss
 from m2po_cli.loss_metrics import ratio_quantiles
 from m2po_cli.titan import ModelArch, load_arch
+from m2po_cli.torchrun import launch
 
 
 class Learner:
@@ -72,24 +72,22 @@ class Learner:
         self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
 
     def _build(self, model_dir: Path) -> torch.nn.Module:
+        """The decoder on its mesh with the checkpoint's weights; rank 0 alone reads them (`load_hf`)."""
         with torch.device("meta"):
             model = self.arch.build()
+        num_params = sum(p.numel() for p in model.parameters())
+        if advice := self.recipe.parallel.layout_advice(self.world, launch().local_world, num_params):
+            note(advice)
         self.replicas, shard = self.recipe.parallel.degrees(self.world)
-        mesh = data_parallel_mesh(self.replicas, shard, self.world)
+        timeout = timedelta(minutes=self.recipe.run.collective_timeout_minutes)
+        mesh = data_parallel_mesh(self.replicas, shard, self.world, timeout)
         dtype = resolve_dtype(self.recipe.model.dtype)
         checkpointing = self.recipe.train.activation_checkpointing
         parallelize(model, mesh, dtype, self.device.type, checkpointing, self.world)
         model.to_empty(device=self.device)
         with torch.no_grad():
             model.init_states(buffer_device=self.device)
-        hf_state = {}
-        for shard in sorted(Path(model_dir).glob("*.safetensors")):
-            hf_state.update(load_file(str(shard)))
-        set_model_state_dict(
-            model,
-            self.arch.adapter.from_hf(hf_state),
-            options=StateDictOptions(full_state_dict=True, strict=True),
-        )
+        load_hf(model, self.arch.adapter, model_dir, self.rank)
         if self.recipe.train.compile:
             model = torch.compile(model)
         return model
