@@ -55,24 +55,14 @@ def write_qwen3_config(out: Path, shape: Qwen3Shape) -> Path:
     return out
 
 
-def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0) -> Path:
-    """Write an HF Qwen3 checkpoint (fp32 safetensors, config, tokenizer) of `shape` to `out`."""
-    import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
+def write_qwen3(out: Path, shape: Qwen3Shape, seed: int = 0, tokenizer=None) -> Path:
+    """Write an HF Qwen3 checkpoint (fp32 safetensors, config, tokenizer) of `shape` to `out`, with
+    random weights; the character tokenizer unless `tokenizer` is given."""
     from transformers.utils import logging
 
     logging.disable_progress_bar()
 
-    from m2po_cli.builtin_models import char_tokenizer, qwen3_config
+    from m2po_cli.builtin_models import char_tokenizer, random_qwen3, save_model
 
-    tokenizer = char_tokenizer()
-    config = qwen3_config(shape, tokenizer)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    tokenizer = tokenizer or char_tokenizer()
+    return save_model(random_qwen3(shape, tokenizer, seed), tokenizer, out)

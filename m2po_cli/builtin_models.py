@@ -219,19 +219,34 @@ def qwen3_config(shape, tokenizer: PreTrainedTokenizerFast):
 
 
 def _build_tiny_qwen3(spec: TinyQwen3, out: Path, progress: Progress | None = None) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3ForCausalLM
-
     tokenizer = char_tokenizer()
-    config = qwen3_config(spec, tokenizer)
-    eos, pad = config.eos_token_id, config.pad_token_id
-    with torch.random.fork_rng():  # seeded init without disturbing the caller's global RNG
-        torch.manual_seed(spec.init_seed)
-        model = Qwen3ForCausalLM(config)
+    model = random_qwen3(spec, tokenizer, spec.init_seed)
     warm_start(model, tokenizer, spec.warm_start, progress)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    save_model(model, tokenizer, out)
+
+
+def random_qwen3(shape, tokenizer: PreTrainedTokenizerFast, seed: int):
+    """A `Qwen3ForCausalLM` of `shape` with `tokenizer`'s special tokens, initialised from `seed`
+    without disturbing the caller's global RNG."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen3ForCausalLM(qwen3_config(shape, tokenizer))
+
+
+def save_model(model, tokenizer: PreTrainedTokenizerFast, out: Path) -> Path:
+    """An HF folder of `model` (safetensors, config, generation config stopping at EOS) and `tokenizer`."""
+    from transformers import GenerationConfig
+
+    config = model.config
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
 
 
 def warm_start(

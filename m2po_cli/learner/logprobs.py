@@ -2,11 +2,23 @@
 
 The model's output projection is asked for the sampled token's logprob only at the positions that
 are scored (response tokens), a chunk of positions at a time: each chunk's logits `[C, V]` live only
-while that chunk is computed, so peak memory is `C x V` floats (C = `CHUNK_LOGITS // V`), whatever
-the sequence length. With grad, each chunk runs under activation checkpointing: its logits are
-recomputed in the backward instead of being kept. The arithmetic per position is the same as a
+while that chunk is computed, so peak memory is a few `C x V` floats (C = `CHUNK_LOGITS // V`),
+whatever the sequence length. With grad, each chunk runs under activation checkpointing: its logits
+are recomputed in the backward instead of being kept. The arithmetic per position is the same as a
 `log_softmax` over the full logits: `log softmax(logits / T)[token]`, in float32, and the entropy
 `-sum p log p` of the same distribution.
+
+Chunk size: each chunk's backward writes a whole `[V, D]` gradient of the head's weight, added
+to the accumulated one, and a zero-filled `[N, D]` one for its slice of `h`: a fixed cost per chunk,
+which small chunks pay many times (2**24 logits is 110 positions at Qwen3's V = 151,936: ~150
+chunks for a 16k-token micro-batch). Its memory: a chunk peaks in the backward of its recomputed
+forward, with three float32 `[C, V]` buffers at once (the log-softmax kept for its backward, the
+gradient coming in and the one going out; `bench/bench_engine_tokens.py` measures it). At
+Qwen3-8B's sizes (V = 151,936, D = 4,096), `CHUNK_LOGITS = 2**26` is C = 441 positions: 268 MB a
+float32 buffer, 0.80 GB at the peak (2**24: 0.20 GB). Beside it, whatever the chunk, the weight's
+gradient G (1.24 GB in bf16, 2.49 GB in float32) and, as a later chunk's is added, a second one: the
+head's peak is max(3 x 4 B x C x V + G, 2 G + 2 B x C x V) = 2.6 GB in bf16 (2.5 GB at 2**24).
+`bench/memory_budget.py` counts it; the 8B recipe's peak stays in a block's backward.
 
 `LogprobHead` runs inside the model's forward (it replaces the class of the model's `lm_head`, so
 parameter names, FSDP2 sharding and checkpoints are unchanged): FSDP2 gathers the head's weight for
@@ -22,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-CHUNK_LOGITS = 2**24  # logits per chunk: 64 MiB in float32
+CHUNK_LOGITS = 2**26  # logits per chunk: 256 MiB in float32
 
 
 @dataclass

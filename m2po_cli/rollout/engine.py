@@ -159,14 +159,24 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("generate: the engine is asleep; push the weights first (push_weights)")
         limits = max_tokens or [None] * len(seeds)
+        # Token ids and logprobs out, no work per token: vLLM neither detokenizes each sampled token
+        # (nor each logprob entry) nor builds a logprob dict per token (`flat_logprobs`: flat lists).
         params = [
-            SamplingParams(**rollout_sampling(self.cfg, seed, limit))
+            SamplingParams(**rollout_sampling(self.cfg, seed, limit), detokenize=False, flat_logprobs=True)
             for seed, limit in zip(seeds, limits, strict=True)
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        return [[_completion(c, self.version, out.prompt_token_ids) for c in out.outputs] for out in outputs]
+        token_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
+        # One decode of the batch, as separate mode decodes each response (`RolloutProducer.decode`):
+        # both modes grade the same text. (An empty batch decodes to [""], which stays unread.)
+        texts = iter(self.tokenizer.batch_decode(token_ids, skip_special_tokens=True))
+        ids = iter(token_ids)
+        return [
+            [_completion(c, self.version, out.prompt_token_ids, next(ids), next(texts)) for c in out.outputs]
+            for out in outputs
+        ]
 
     def sleep(self) -> None:
         """Free the engine's device memory for training (GPU; level 2 also drops the weights)."""
@@ -205,15 +215,17 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _completion(c, version: int, prompt_ids: list[int]) -> Completion:
+def _completion(c, version: int, prompt_ids: list[int], token_ids: list[int], text: str) -> Completion:
     # Every token must come from the weights the engine was last given (no push mid-generation).
     spans = {span.version for span in c.weight_versions or []}
     if spans - {str(version)}:
         raise RuntimeError(f"a completion was sampled by weight versions {sorted(spans)}, expected {version}")
+    # `logprobs=0` as `FlatLogprobs`: one entry per position, the sampled token's, in order.
+    assert c.logprobs.token_ids == token_ids, "one behaviour logprob per sampled token"
     return Completion(
-        token_ids=list(c.token_ids),
-        logprobs=[entry[tok].logprob for entry, tok in zip(c.logprobs, c.token_ids, strict=True)],
-        text=c.text,
+        token_ids=token_ids,
+        logprobs=c.logprobs.logprobs,
+        text=text,
         finished=is_finished(c.finish_reason),
         prompt_ids=prompt_ids,
     )

@@ -75,9 +75,8 @@ class ColocatedSource:
             self.engine = build_engine(model_dir, recipe, learner.world, log)
             self.sampler = Sampler(self.engine, self.grader, episodes)
             self._stack.callback(self.engine.close)
-            if restored is not None:
+            if restored is not None:  # the engine gets the restored weights at `start`
                 self.queue.load(restored.path, learner.rank, learner.world)
-                sync_weights(learner, self.engine)  # the engine still holds the initial weights
         except BaseException:
             self._stack.close()
             raise
@@ -86,9 +85,9 @@ class ColocatedSource:
         """Fill the FIFO with its K warm-up batches, from the initial policy (not counted as steps).
 
         First, what the first step after the warm-up does: the optimizer's state allocated, the engine
-        put to sleep and woken by a push of the learner's weights (the same weights: nothing sampled
-        changes). A wake that does not fit beside the learner, or a push that fails its checks, stops
-        the run in its first minutes, not after the K batches (1-2 hours at the 8B recipe)."""
+        put to sleep and woken by a push of the learner's weights (those it was built from, or a
+        resumed run's). A wake that does not fit beside the learner, or a push that fails its checks,
+        stops the run in its first minutes, not after the K batches (1-2 hours at the 8B recipe)."""
         allocate_state(self.learner.optimizer)
         self.engine.sleep()
         sync_weights(self.learner, self.engine)
