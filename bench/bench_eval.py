@@ -60,16 +60,7 @@ def eval_path(llm, grader, target, model_dir, specs, problems, cfg) -> tuple[flo
     with tempfile.TemporaryDirectory() as out:
         _reset(llm)
         start = time.perf_counter()
-        plans = plan_target(
-            target,
-            model_dir,
-            specs,
-            problems,
-            cfg,
-            Path(out),
-            None,
-            target_episodes(cfg, model_dir, target.path),
-        )
+        plans = plan_of(target, model_dir, specs, problems, cfg, Path(out))
         jobs = [j for p in plans for j in p.jobs]
         run_jobs(llm, grader, jobs, cfg.protocol, {p.spec.name: p for p in plans}, quiet)
         for p in plans:
@@ -77,6 +68,13 @@ def eval_path(llm, grader, target, model_dir, specs, problems, cfg) -> tuple[flo
         seconds = time.perf_counter() - start
         records = [r for p in plans for r in p.records.values()]
         return seconds, sum(r["tokens"] for r in records), sum(r["answer"] is not None for r in records)
+
+
+def plan_of(target, model_dir, specs, problems, cfg, out: Path) -> list:
+    """The eval's plan of `target` (its episodes included), with an empty cache under `out`."""
+    return plan_target(
+        target, model_dir, specs, problems, cfg, out, None, target_episodes(cfg, model_dir, target.path)
+    )
 
 
 def _reset(llm) -> None:
@@ -105,16 +103,7 @@ def main() -> int:
     with Grader(cfg.grader.workers, cfg.grader.timeout_s) as grader:
         # The prompts, token for token, as the eval builds them.
         with tempfile.TemporaryDirectory() as out:
-            (plan,) = plan_target(
-                target,
-                model_dir,
-                specs,
-                problems,
-                cfg,
-                Path(out),
-                None,
-                target_episodes(cfg, model_dir, target.path),
-            )
+            (plan,) = plan_of(target, model_dir, specs, problems, cfg, Path(out))
         raw_generate(llm, plan.jobs[:1], cfg.protocol)  # warm-up
         raw_runs, eval_runs = [], []
         for i in range(args.repeats):

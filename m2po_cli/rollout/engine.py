@@ -221,7 +221,8 @@ def _completion(c, version: int, prompt_ids: list[int], token_ids: list[int], te
     if spans - {str(version)}:
         raise RuntimeError(f"a completion was sampled by weight versions {sorted(spans)}, expected {version}")
     # `logprobs=0` as `FlatLogprobs`: one entry per position, the sampled token's, in order.
-    assert c.logprobs.token_ids == token_ids, "one behaviour logprob per sampled token"
+    if c.logprobs.token_ids != token_ids:
+        raise RuntimeError("the engine's flat logprobs are not those of the sampled tokens, one per token")
     return Completion(
         token_ids=token_ids,
         logprobs=c.logprobs.logprobs,

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -100,9 +99,9 @@ class SeparateSource:
             k: [Ticket(epoch, prompts.prompt_of(i)) for epoch, i in loop[k]] for k in ("in_flight", "fresh")
         }
         settled = load_settled(restored.path) if restored is not None else {}
-        carried["in_flight"] = [
-            settled[t.epoch, t.prompt.problem.index].with_prompt(t.prompt)
-            if (t.epoch, t.prompt.problem.index) in settled
+        carried["in_flight"] = [  # a settled group keeps its rows; its admission index comes later
+            Group(t.epoch, t.prompt, *kept, index=-1)
+            if (kept := settled.get((t.epoch, t.prompt.problem.index)))
             else t
             for t in carried["in_flight"]
         ]
@@ -330,8 +329,9 @@ def save_settled(folder: Path, groups: list[Group]) -> None:
     save_file(unshared(rows.tensors() | table), str(folder / SETTLED))
 
 
-def load_settled(folder: Path) -> dict[tuple[int, int], Kept]:
-    """What `save_settled` wrote, by (epoch, problem index); nothing for a checkpoint without it."""
+def load_settled(folder: Path) -> dict[tuple[int, int], tuple[PackedRollouts, int]]:
+    """What `save_settled` wrote, by (epoch, problem index): each group's rows and submission
+    version; nothing for a checkpoint without it."""
     path = folder / SETTLED
     if not path.exists():
         return {}
@@ -342,22 +342,11 @@ def load_settled(folder: Path) -> dict[tuple[int, int], Kept]:
     rows = PackedRollouts.from_tensors(min(table["version_G"]), tensors, {})
     starts = [0, *itertools.accumulate(table["rows_G"])]
     return {
-        (epoch, problem): Kept(rows.take(torch.arange(a, b)), version, epoch)
+        (epoch, problem): (replace(rows.take(torch.arange(a, b)), version=version), version)
         for epoch, problem, version, a, b in zip(
             table["epoch_G"], table["problem_G"], table["version_G"], starts[:-1], starts[1:], strict=True
         )
     }
-
-
-class Kept(NamedTuple):
-    """A settled group read back from a checkpoint, waiting for its prompt."""
-
-    rows: PackedRollouts
-    version: int
-    epoch: int
-
-    def with_prompt(self, prompt) -> Group:
-        return Group(self.epoch, prompt, replace(self.rows, version=self.version), self.version, -1)
 
 
 def _record_trained(run_dir: Path, step: int, version: int, groups: list[Group]) -> None:
