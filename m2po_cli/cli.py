@@ -102,6 +102,7 @@ def serve(recipe: str, overrides: tuple[str, ...], host: str, port: int) -> None
     from m2po_cli.device import resolve_dtype
     from m2po_cli.models import check_model_dir, resolve_model
     from m2po_cli.rollout.launch import serve_command, server_env
+    from m2po_cli.rollout.payload import lora_slots
 
     try:
         resolved = load_recipe(recipe, list(overrides))
@@ -109,12 +110,12 @@ def serve(recipe: str, overrides: tuple[str, ...], host: str, port: int) -> None
         check_model_dir(model_dir)
     except UserError as e:
         _fail(str(e))
-    cfg = resolved.rollout
-    cmd = serve_command(
-        model_dir, cfg, resolve_dtype(resolved.model.dtype), resolved.max_model_len, port, host
-    )
+    cfg, rank = resolved.rollout, resolved.lora.rank
+    lora = (rank, lora_slots(resolved.staleness.max_staleness, cfg.sync_every))  # adapters, with LoRA
+    dtype = resolve_dtype(resolved.model.dtype)
+    cmd = serve_command(model_dir, cfg, dtype, resolved.max_model_len, port, host, lora)
     click.echo(f"serving {resolved.model.path} for {recipe} on {host}:{port}", err=True)
-    os.execvpe(cmd[0], cmd, server_env(None))
+    os.execvpe(cmd[0], cmd, server_env(None, lora=rank > 0))
 
 
 @main.command(name="eval")

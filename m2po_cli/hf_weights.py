@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -21,8 +21,16 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from m2po_cli.lora import AdapterNames, is_adapter_key
 
-def load_hf(model: torch.nn.Module, adapter, model_dir: Path, rank: int) -> None:
+
+def load_hf(
+    model: torch.nn.Module,
+    adapter,
+    model_dir: Path,
+    rank: int,
+    more: Callable[[], dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Fill the (sharded, materialized) `model` with the HF checkpoint in `model_dir`. A collective.
 
     Rank 0 alone reads the safetensors files and converts them to torchtitan names; every tensor is
@@ -30,38 +38,67 @@ def load_hf(model: torch.nn.Module, adapter, model_dir: Path, rank: int) -> None
     GPU), and each rank keeps its shard of it (`broadcast_from_rank0`). The other ranks never open
     the files: one read of the checkpoint and one host-to-device copy per job, not per rank, and no
     rank but 0 holds a host copy of it (docs/cluster.md). The shards are the ones every rank reading
-    the checkpoint itself would get: FSDP2 sliced those from rank 0's copy too.
+    the checkpoint itself would get: FSDP2 sliced those from rank 0's copy too. `more`: what rank 0
+    adds for parameters the checkpoint does not hold (a LoRA adapter's initial values), so that every
+    parameter is loaded, and every rank holds its slice of the same tensor.
     """
     state = {}
     if rank == 0:
-        hf_state = {}
-        for shard in sorted(Path(model_dir).glob("*.safetensors")):
-            hf_state.update(load_file(str(shard)))
-        state = adapter.from_hf(hf_state)
+        state = adapter.from_hf(read_checkpoint(model_dir)) | (more() if more is not None else {})
     options = StateDictOptions(full_state_dict=True, strict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, state, options=options)
 
 
-class HFWeights:
-    """HF-named views of one (possibly FSDP-sharded) torchtitan model."""
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint's safetensors files, under HF names, in this process."""
+    hf_state = {}
+    for shard in sorted(Path(model_dir).glob("*.safetensors")):
+        hf_state.update(load_file(str(shard)))
+    return hf_state
 
-    def __init__(self, model: torch.nn.Module, adapter, rank: int):
-        self.model, self.adapter, self.rank = model, adapter, rank
+
+class HFWeights:
+    """HF-named views of one (possibly FSDP-sharded) torchtitan model. With LoRA adapters
+    (`lora_scale`: alpha / r), the weights are the base with each adapter merged in."""
+
+    def __init__(self, model: torch.nn.Module, adapter, rank: int, lora_scale: float = 0.0):
+        self.model, self.adapter, self.rank, self.lora_scale = model, adapter, rank, lora_scale
 
     def stream(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights under HF names, cast to `dtype`, one parameter at a time.
 
         A collective: every rank must exhaust the iterator, in step with the others. Nothing is
-        copied to the host. A tied output layer is not sent (it is the embedding).
+        copied to the host. A tied output layer is not sent (it is the embedding). A projection with
+        an adapter is sent merged, `W + scale * B A` (in float32, then cast): never the bare base.
         """
-        for name, value in self.model.state_dict().items():
-            hf_name = self.names.get(plain_fqn(name))
+        state = self.model.state_dict()
+        plain = {plain_fqn(name): name for name in state}
+        for name, value in state.items():
+            fqn = plain_fqn(name)
+            hf_name = self.names.get(fqn)
             if hf_name is None:
                 continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            ((converted_name, converted),) = self.adapter.to_hf({plain_fqn(name): full}).items()
+            full = _full(value)
+            lora_a = plain.get(fqn.removesuffix(".weight") + ".lora_a.weight")
+            if lora_a is not None:
+                b = _full(state[lora_a.replace(".lora_a.", ".lora_b.")]).float()
+                full = full.float() + self.lora_scale * (b @ _full(state[lora_a]).float())
+            ((converted_name, converted),) = self.adapter.to_hf({fqn: full}).items()
             assert converted_name == hf_name, (converted_name, hf_name)
             yield hf_name, converted.detach().to(dtype)
+
+    def adapter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter under PEFT keys, cast to `dtype`, one tensor at a time (`lora.py`).
+        A collective, like `stream`; a few MB to a few hundred MB, against the model's GBs."""
+        for name, value in self.model.state_dict().items():
+            fqn = plain_fqn(name)
+            if is_adapter_key(fqn):
+                yield self.adapter_names.to_peft(fqn, _full(value).detach().to(dtype))
+
+    @functools.cached_property
+    def adapter_names(self) -> AdapterNames:
+        shapes = {plain_fqn(k): tuple(v.shape) for k, v in self.model.state_dict().items()}
+        return AdapterNames(self.adapter, shapes)
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, full shape) of each tensor `stream` yields, in its order; gathers nothing."""
@@ -79,6 +116,8 @@ class HFWeights:
         """torchtitan FQN -> HF name of every parameter the HF checkpoint holds (from shapes only)."""
         names = {}
         for name, value in self.model.state_dict().items():
+            if is_adapter_key(name):
+                continue
             meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
             converted = self.adapter.to_hf({plain_fqn(name): meta})
             if converted:
@@ -117,6 +156,11 @@ class HFWeights:
         """Bytes of each HF tensor at `dtype`."""
         by_fqn = {plain_fqn(k): v for k, v in self.model.state_dict().items()}
         return {hf: by_fqn[fqn].numel() * dtype.itemsize for fqn, hf in self.names.items()}
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (sharded) parameter: an all-gather for a DTensor."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def export_dtype(choice: str) -> str:

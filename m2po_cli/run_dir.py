@@ -23,6 +23,8 @@ from m2po_cli.errors import UserError
 
 CONFIG, META, METRICS, SAMPLES = "config.toml", "meta.json", "metrics.jsonl", "samples.jsonl"
 THIRD_PARTY, CHECKPOINTS, EXPORT = "third-party.log", "checkpoints", "export"
+ADAPTER = "adapter"  # a LoRA run's final adapter, PEFT format
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a PEFT adapter's folder
 
 REWARD = "rollout/reward_mean"  # the mean reward of the rows a step trained
 BEHAVIOUR_VERSION = "staleness/behaviour_version"  # the oldest policy version that sampled them

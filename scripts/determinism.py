@@ -54,8 +54,10 @@ def first_difference(a: list[dict], b: list[dict]) -> str | None:
 
 
 def exported(run_dir: Path) -> bytes | None:
-    """The run's exported weights, every file in name order; None without an export."""
-    files = sorted((run_dir / "export").glob("*.safetensors"))
+    """The run's exported weights (and a LoRA run's adapter), every file in name order; None without."""
+    files = sorted((run_dir / "export").glob("*.safetensors")) + sorted(
+        (run_dir / "adapter").glob("*.safetensors")
+    )
     return b"".join(f.read_bytes() for f in files) if files else None
 
 

@@ -519,6 +519,10 @@ def test_bad_overrides_fail_with_one_line():
         (["--set", "optim.lr=-1"], "optim.lr"),
         (["--set", "no_equals_sign"], "no_equals_sign"),
         (["--set", "run.name.x=1"], "run.name.x"),
+        (["--set", "lora.rank=8", "--set", 'lora.target_modules=["q_proj","k_proj"]'], "lora.target_modules"),
+        (["--set", "lora.rank=8", "--set", 'lora.target_modules=["qkv"]'], "lora.target_modules"),
+        (["--set", "lora.rank=1000"], "lora.rank"),
+        (["--set", "lora.dropout=1.0"], "lora.dropout"),
     ]
 
     def check(case: tuple[list[str], str]) -> str | None:

@@ -18,7 +18,7 @@ from m2po_cli.config.data import (
     check_template,
 )
 from m2po_cli.config.env import BUILTIN_ENVS, EnvConfig
-from m2po_cli.config.learner import OptimConfig, ParallelConfig, TrainConfig
+from m2po_cli.config.learner import LORA_TARGETS, LoraConfig, OptimConfig, ParallelConfig, TrainConfig
 from m2po_cli.config.loss import AlgorithmConfig, LossConfig
 from m2po_cli.config.recipe import (
     CheckpointConfig,
@@ -38,6 +38,8 @@ __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "ConfigError",
+    "LORA_TARGETS",
+    "LoraConfig",
     "DataConfig",
     "EngineTable",
     "EnvConfig",

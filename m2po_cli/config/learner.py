@@ -1,11 +1,11 @@
-"""The recipe's `[train]`, `[parallel]` and `[optim]` tables: the learner's batching, its ranks'
-layout and its optimizer."""
+"""The recipe's `[train]`, `[parallel]`, `[optim]` and `[lora]` tables: the learner's batching, its
+ranks' layout, its optimizer and the low-rank adapter it may train instead of every weight."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from m2po_cli.config.tables import Table, field
 
@@ -122,3 +122,47 @@ class OptimConfig(Table):
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas: each must be in [0, 1) (got {list(self.betas)})")
         return self
+
+
+# The projections a LoRA adapter may target, by their HF names (every supported model family has them).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Table):
+    """Train a low-rank adapter (LoRA) on frozen base weights: the optimizer holds state for the
+    adapter alone, and each weight sync carries it alone (docs/lora.md)."""
+
+    rank: int = field(0, "Adapter rank r; 0 trains every weight (full fine-tuning).", ge=0, le=512)
+    alpha: float = field(32.0, "Scaling: the adapter adds (alpha / rank) * B A x to each target.", gt=0)
+    dropout: float = field(
+        0.0,
+        "Dropout on the adapter's input in the training forwards (not when scoring, nor in the engine).",
+        ge=0,
+        lt=1,
+    )
+    target_modules: tuple[str, ...] = field(
+        LORA_TARGETS,
+        "Projections that get an adapter, by HF name (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj); k_proj and v_proj go together.",
+    )
+    export_merged: bool = field(
+        False,
+        "Also export the base weights with the adapter merged in, as HF safetensors in `<run>/export` "
+        "(the adapter alone goes to `<run>/adapter` in PEFT format).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [m for m in targets if m not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of {', '.join(LORA_TARGETS)}")
+        if not targets:
+            raise ValueError("name at least one projection")
+        if ("k_proj" in targets) != ("v_proj" in targets):
+            raise ValueError("k_proj and v_proj go together (the learner builds both from one config)")
+        return targets
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0

@@ -12,7 +12,7 @@ from pydantic import model_validator
 
 from m2po_cli.config.data import DataConfig, ModelConfig, RewardConfig
 from m2po_cli.config.env import EnvConfig
-from m2po_cli.config.learner import OptimConfig, ParallelConfig, TrainConfig
+from m2po_cli.config.learner import LoraConfig, OptimConfig, ParallelConfig, TrainConfig
 from m2po_cli.config.loss import LOSS_KEYS, AlgorithmConfig, LossConfig, M2POLoss
 from m2po_cli.config.rollout import ReuseConfig, RolloutConfig, StalenessConfig
 from m2po_cli.config.tables import Table, field, load
@@ -93,6 +93,7 @@ class Recipe(Table):
         ParallelConfig(), "How the learner's ranks shard and replicate the model."
     )
     optim: OptimConfig = field(OptimConfig(), "Optimizer and schedule.")
+    lora: LoraConfig = field(LoraConfig(), "Low-rank adapter training (off unless `rank` > 0).")
     staleness: StalenessConfig = field(StalenessConfig(), "Staleness injection.")
     reuse: ReuseConfig = field(ReuseConfig(), "Training on each rollout more than once.")
     checkpoint: CheckpointConfig = field(CheckpointConfig(), "Checkpoints and export.")
@@ -228,6 +229,7 @@ def load_recipe(
 
 def _arrays_as_tuples(tree: dict[str, Any]) -> None:
     # TOML has arrays, the strict schema has fixed-length tuples.
-    optim = tree.get("optim")
-    if isinstance(optim, dict) and isinstance(optim.get("betas"), list):
-        optim["betas"] = tuple(optim["betas"])
+    for table, key in (("optim", "betas"), ("lora", "target_modules")):
+        node = tree.get(table)
+        if isinstance(node, dict) and isinstance(node.get(key), list):
+            node[key] = tuple(node[key])

@@ -93,6 +93,13 @@ class RolloutConfig(EngineTable):
         "group finishing, before the run stops naming the server; must be below run.collective_timeout_minutes.",
         gt=0,
     )
+    push_check_tolerance: float = field(
+        0.05,
+        "After every weight push, the engine samples a few tokens of a fixed probe and the learner scores "
+        "them: a mean |logprob difference| above this stops the run (the engine is not sampling the "
+        "policy it was sent, e.g. an adapter it did not apply).",
+        gt=0,
+    )
     prompts_per_step: int = field(32, "Prompts per rollout batch.", ge=1)
     n: int = field(8, "Samples per prompt (the GRPO group size).", ge=1)
     max_new_tokens: int = field(2560, "Longest response, in tokens.", ge=1)

@@ -5,7 +5,10 @@ A CKPT is one of:
 - a run directory (`config.toml` beside `export/` or `checkpoints/`): its final `export/`, or with
   `--all-checkpoints` each complete saved step;
 - one saved step of a run (`<run>/checkpoints/step-NNNNNN`, DCP shards): converted once to an HF
-  directory in `$M2PO_CACHE/exports/` (default ~/.cache/m2po), never inside the run;
+  directory in `$M2PO_CACHE/exports/` (default ~/.cache/m2po), never inside the run; a LoRA run's
+  step holds the adapter alone, merged into the base model by the conversion;
+- a LoRA adapter in PEFT format (`adapter_config.json`; a LoRA run's `<run>/adapter`, which the run
+  directory stands for when it has no merged `export/`): merged once into its base model there too;
 - a hub id or a builtin model name (`builtin:tiny-qwen3`), resolved as a recipe's `model.path` is.
 
 `resolve_targets` only looks at the file system, so a mistake fails in milliseconds; `model_dir()`
@@ -29,6 +32,7 @@ from typing import Literal
 from m2po_cli import checkpoint, run_dir
 from m2po_cli.errors import UserError
 from m2po_cli.models import ModelError, check_model_dir, model_source
+from m2po_cli.run_dir import ADAPTER_CONFIG
 
 
 class TargetError(UserError):
@@ -40,7 +44,7 @@ class Target:
     """One checkpoint to evaluate. `path` is the model directory, the step directory or the hub id."""
 
     label: str
-    kind: Literal["model", "step", "hub"]
+    kind: Literal["model", "step", "adapter", "hub"]
     path: str
 
     def identity(self) -> str:
@@ -58,7 +62,7 @@ class Target:
         try:
             if self.kind == "model":
                 directory = Path(self.path)
-            elif self.kind == "step":
+            elif self.kind in ("step", "adapter"):
                 directory = export_step(Path(self.path))
             else:
                 directory = _resolve_model(self.path)
@@ -103,18 +107,21 @@ def _resolve_one(arg: str, all_checkpoints: bool) -> list[Target]:
         if problem is not None:
             raise TargetError(f"{arg}: incomplete checkpoint: {problem}")
         return [Target(f"{path.parent.parent.name}/{path.name}", "step", str(path))]
+    if (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+        return [Target(_model_label(path), "adapter", str(path))]
     if (path / "config.json").is_file():
         target = Target(_model_label(path), "model", str(path))
         target.model_dir()  # a local directory: checked now, in milliseconds
         return [target]
     raise TargetError(
-        f"{arg}: neither an HF model directory (config.json), a run directory (config.toml) nor a saved step"
+        f"{arg}: neither an HF model directory (config.json), a PEFT adapter ({ADAPTER_CONFIG}), a run "
+        "directory (config.toml) nor a saved step"
     )
 
 
 def _is_run(path: Path) -> bool:
-    return run_dir.is_run_dir(path) and (
-        (path / run_dir.EXPORT).is_dir() or (path / run_dir.CHECKPOINTS).is_dir()
+    return run_dir.is_run_dir(path) and any(
+        (path / name).is_dir() for name in (run_dir.EXPORT, run_dir.ADAPTER, run_dir.CHECKPOINTS)
     )
 
 
@@ -125,6 +132,9 @@ def _run_targets(run: Path, all_checkpoints: bool) -> list[Target]:
             raise TargetError(f"{run}: no complete checkpoint under checkpoints/")
         return [Target(f"{run.name}/{p.name}", "step", str(p)) for p in steps]
     export = run / run_dir.EXPORT
+    adapter = run / run_dir.ADAPTER
+    if not (export / "config.json").is_file() and (adapter / ADAPTER_CONFIG).is_file():
+        return [Target(f"{run.name}/{run_dir.ADAPTER}", "adapter", str(adapter))]
     if not (export / "config.json").is_file():
         raise TargetError(
             f"{run}: the run has no export/ (not finished, or checkpoint.export_hf = false); "
@@ -159,10 +169,11 @@ def stable_hash(obj: object) -> str:
 
 
 def export_step(step: Path) -> Path:
-    """The HF export of a saved step, converted on first use into `$M2PO_CACHE/exports/`.
+    """The HF export of a saved step or a PEFT adapter, converted on first use into `$M2PO_CACHE/exports/`.
 
-    The run's `config.toml` names the base model, whose config maps the DCP checkpoint's model
-    entries (not the optimizer state) to HF names; no learner is built. Written to a temporary directory and renamed into
+    A step: the run's `config.toml` names the base model, whose config maps the DCP checkpoint's model
+    entries (not the optimizer state) to HF names; no learner is built. An adapter: merged into the
+    base model its `adapter_config.json` names. Written to a temporary directory and renamed into
     place, so a killed conversion leaves nothing that looks finished.
     """
     from m2po_cli.models import cache_root
@@ -174,7 +185,10 @@ def export_step(step: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=final.parent))
     try:
-        _convert(step, run, tmp)
+        if (step / ADAPTER_CONFIG).is_file():
+            _merge_adapter(step, tmp)
+        else:
+            _convert(step, run, tmp)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():  # not a concurrent conversion that won the race
@@ -185,11 +199,35 @@ def export_step(step: Path) -> Path:
 
 
 def _convert(step: Path, run: Path, out: Path) -> None:
-    from m2po_cli.hf_weights import write_hf
+    from m2po_cli.hf_weights import read_checkpoint, write_hf
+    from m2po_cli.lora import merge_titan
     from m2po_cli.models import resolve_model
     from m2po_cli.titan import load_arch
 
     recipe = run_dir.read_recipe(run)  # its data file may not be where eval runs: it is not needed
     base = resolve_model(recipe.model.path)
-    hf_state = load_arch(base).adapter.to_hf(checkpoint.read_model(step))
-    write_hf(out, hf_state, base, recipe.model.dtype)
+    adapter = load_arch(base).adapter
+    state = checkpoint.read_model(step)
+    if recipe.lora.enabled:  # the step holds the adapter alone
+        saved, state = state, adapter.from_hf(read_checkpoint(base))
+        merge_titan(state, saved, recipe.lora.alpha / recipe.lora.rank)
+    write_hf(out, adapter.to_hf(state), base, recipe.model.dtype)
+
+
+def _merge_adapter(folder: Path, out: Path) -> None:
+    from m2po_cli.hf_weights import read_checkpoint, write_hf
+    from m2po_cli.lora import merge, read_adapter
+    from m2po_cli.models import resolve_model
+
+    base_name = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    try:
+        base = resolve_model(base_name)
+    except (ModelError, ValueError) as e:
+        raise TargetError(f"{folder}: the adapter's base model {base_name!r}: {e}") from None
+    import torch
+
+    tensors, scale = read_adapter(folder)
+    hf_state = read_checkpoint(base)
+    merge(hf_state, tensors, scale)
+    bf16 = all(v.dtype == torch.bfloat16 for v in hf_state.values())  # as the base model holds them
+    write_hf(out, hf_state, base, "bfloat16" if bf16 else "float32")

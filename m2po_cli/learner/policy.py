@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -29,19 +30,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from m2po_cli.config import Recipe
-from m2po_cli.console import note
-from m2po_cli.device import resolve_dtype
 from m2po_cli.distributed import add_into, init_distributed, sum_over_ranks
-from m2po_cli.hf_weights import HFWeights, load_hf
+from m2po_cli.hf_weights import HFWeights, export_dtype
 from m2po_cli.learner.batch import IDLE, Batch, plan_micro_batches
+from m2po_cli.learner.build import build_model
 from m2po_cli.learner.forward import forward_logprobs
 from m2po_cli.learner.logprobs import install_head
 from m2po_cli.learner.mask_correction import correction_rows, correction_weights, provisional_keep
-from m2po_cli.learner.parallelize import data_parallel_mesh, parallelize
+from m2po_cli.lora import with_lora, write_adapter
 from m2po_cli.loss import PolicyLoss
 from m2po_cli.loss_metrics import ratio_quantiles
 from m2po_cli.titan import ModelArch, load_arch
-from m2po_cli.torchrun import launch
 
 
 class Learner:
@@ -52,14 +51,20 @@ class Learner:
         self.rank, self.world = init_distributed(timedelta(minutes=recipe.run.collective_timeout_minutes))
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.arch: ModelArch = load_arch(model_dir)
-        self.model = self._build(model_dir)
+        self.lora = recipe.lora if recipe.lora.enabled else None
+        if self.lora is not None:
+            self.arch = replace(self.arch, config=with_lora(self.arch.config, self.lora))
+        self.replicas, _ = recipe.parallel.degrees(self.world)
+        self.model = build_model(self.arch, recipe, model_dir, self.rank, self.world, self.device)
         self.head = install_head(self.model)
-        self.hf = HFWeights(self.model, self.arch.adapter, self.rank)
+        scale = self.lora.alpha / self.lora.rank if self.lora is not None else 0.0
+        self.hf = HFWeights(self.model, self.arch.adapter, self.rank, scale)
         o = recipe.optim
         # Fused: one kernel over all parameters per state update, on the CPU as on a GPU (the
         # default on the CPU is a Python loop of ~10 ops per parameter, ~0.8 s a step at 135M).
+        # With LoRA only the adapter trains: the frozen base gets neither gradients nor AdamW state.
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=o.lr,
             betas=o.betas,
             eps=o.eps,
@@ -70,27 +75,6 @@ class Learner:
         self.version = 0  # optimizer updates applied
         self._provisional_z = math.inf  # the previous update's mask threshold (`mask_correction`)
         self._correction_frac = 0.0  # the last update's correction share (what `auto` judges by)
-
-    def _build(self, model_dir: Path) -> torch.nn.Module:
-        """The decoder on its mesh with the checkpoint's weights; rank 0 alone reads them (`load_hf`)."""
-        with torch.device("meta"):
-            model = self.arch.build()
-        num_params = sum(p.numel() for p in model.parameters())
-        if advice := self.recipe.parallel.layout_advice(self.world, launch().local_world, num_params):
-            note(advice)
-        self.replicas, shard = self.recipe.parallel.degrees(self.world)
-        timeout = timedelta(minutes=self.recipe.run.collective_timeout_minutes)
-        mesh = data_parallel_mesh(self.replicas, shard, self.world, timeout)
-        dtype = resolve_dtype(self.recipe.model.dtype)
-        checkpointing = self.recipe.train.activation_checkpointing
-        parallelize(model, mesh, dtype, self.device.type, checkpointing, self.world)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            model.init_states(buffer_device=self.device)
-        load_hf(model, self.arch.adapter, model_dir, self.rank)
-        if self.recipe.train.compile:
-            model = torch.compile(model)
-        return model
 
     def _lr_factor(self, update: int) -> float:
         o = self.recipe.optim
@@ -363,24 +347,45 @@ class Learner:
         """Full weights under HF names, cast to `dtype`, one parameter at a time (`HFWeights.stream`)."""
         return self.hf.stream(dtype)
 
+    def adapter_tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter under PEFT keys, one tensor at a time (`HFWeights.adapter_tensors`)."""
+        return self.hf.adapter_tensors(dtype)
+
     def hf_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return self.hf.shapes()
 
     def export_hf(self, out_dir: Path, model_dir: Path, shard_bytes: int = 4 * 2**30) -> None:
-        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes)."""
+        """Write a safetensors checkpoint with the source's config and tokenizer (rank 0 writes); with
+        LoRA, the base with the adapter merged in."""
         self.hf.export(out_dir, model_dir, self.recipe.model.dtype, shard_bytes)
+
+    def export_adapter(self, out_dir: Path) -> None:
+        """The LoRA adapter as a PEFT folder (rank 0 writes; every rank gathers), in the export dtype."""
+        dtype = getattr(torch, export_dtype(self.recipe.model.dtype))
+        tensors = list(self.adapter_tensors(dtype))
+        if self.rank == 0:
+            write_adapter(out_dir, tensors, self.lora, self.recipe.model.path)
 
     # --- checkpoint state -------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """What a checkpoint holds: the trained parameters (with LoRA the adapter alone: the base is
+        the model's checkpoint, read again at resume) and their optimizer state."""
         return {
-            "model": get_model_state_dict(self.model),
+            "model": get_model_state_dict(self.model, options=self._state_options),
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state["model"])
+        # With LoRA the checkpoint holds the adapter alone (`state_dict` made the template it was
+        # read into): the frozen base, read from the model's checkpoint, is not in it.
+        options = replace(self._state_options, strict=self.lora is None)
+        set_model_state_dict(self.model, state["model"], options=options)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+
+    @property
+    def _state_options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=self.lora is not None)
 
     def extra_state(self) -> dict:
         # The mask's provisional threshold and last correction share: a resumed run takes the same

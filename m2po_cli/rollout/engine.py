@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from m2po_cli.config import EngineTable, RolloutConfig
+from m2po_cli.rollout.payload import Adapter, Payload
 from m2po_cli.rollout.settings import cpu_threads, engine_args, is_finished, rollout_sampling
 from m2po_cli.rollout.types import Completion
 from m2po_cli.torchrun import launch
@@ -37,8 +38,8 @@ class RolloutEngine(Protocol):
         whatever else is in the batch. With `max_tokens` (an episode's later turns): one completion
         of each prompt, of at most its number of tokens."""
 
-    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace the policy with `weights` (HF names, full tensors, streamed); later samples use it."""
+    def push(self, payload: Payload) -> None:
+        """Replace the policy with `payload` (`FullWeights` or an `Adapter`); later samples use it."""
 
     def sleep(self) -> None:
         """Release device memory while the learner trains; the next push wakes the engine."""
@@ -79,6 +80,7 @@ def build_llm(
     max_model_len: int,
     in_process: bool,
     behaviour_logprobs: bool = False,
+    lora_rank: int = 0,
     **extra: Any,
 ) -> LLM:
     """A `vllm.LLM` with the project's engine settings (`settings.engine_args`); rollouts and `m2po
@@ -101,6 +103,7 @@ def build_llm(
         max_model_len=max_model_len,
         on_gpu=on_gpu,
         behaviour_logprobs=behaviour_logprobs,
+        lora_rank=lora_rank,
     )
     # The console shows the user's run, not vLLM's progress bars.
     return LLM(**args, use_tqdm_on_load=False, **extra)
@@ -129,12 +132,20 @@ class VLLMEngine:
         max_model_len: int,
         world: int = 1,
         log: Callable[[str], None] | None = None,
+        lora_rank: int = 0,
     ):
         self.cfg = cfg
         self.dtype: torch.dtype = getattr(torch, dtype)  # the serving dtype pushed weights are cast to
         self.version = 0
         self.sleep_level = cfg.sleep_level if torch.cuda.is_available() else 0
+        if lora_rank and self.sleep_level == 2:
+            # Level 2 frees the base weights, which a LoRA run never pushes: level 1 keeps them in
+            # host memory and brings them back at the wake; the push carries the adapter alone.
+            self.sleep_level = 1
+            if log is not None:
+                log("rollout.sleep_level: 2 becomes 1 with LoRA (the base weights wait in host memory)")
         self.asleep = False
+        self.lora_request = None  # the adapter every request names (LoRA), the newest pushed
         self.free_at_wake: dict[str, int] = {}  # device bytes free right after the last wake of each tag
         if cfg.sleep_level and not self.sleep_level and log is not None:
             log("rollout.sleep_level: vLLM has no sleep mode on CPU; the engine stays awake while training")
@@ -146,6 +157,7 @@ class VLLMEngine:
             in_process=True,
             behaviour_logprobs=True,
             enable_sleep_mode=self.sleep_level > 0,
+            lora_rank=lora_rank,
             **(dict(distributed_executor_backend="external_launcher") if world > 1 else {}),
         )
         self.llm.llm_engine.set_weight_version(str(self.version))
@@ -166,7 +178,10 @@ class VLLMEngine:
             for seed, limit in zip(seeds, limits, strict=True)
         ]
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         token_ids = [list(c.token_ids) for out in outputs for c in out.outputs]
         # One decode of the batch, as separate mode decodes each response (`RolloutProducer.decode`):
@@ -183,6 +198,36 @@ class VLLMEngine:
         if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
+
+    def push(self, payload: Payload) -> None:
+        """Load a sync's payload: full weights in place (`push_weights`), or an adapter (`push_adapter`)."""
+        if isinstance(payload, Adapter):
+            self.push_adapter(payload)
+        else:
+            self.push_weights(payload.tensors, payload.version)
+
+    def push_adapter(self, adapter: Adapter) -> None:
+        """Serve `adapter` from now on: loaded (from its folder) before the previous one is removed,
+        under a name and id of its own version, so nothing cached for another version is reused.
+        Asleep, the engine wakes first (level 1 restores the base weights from host memory)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.asleep:
+            release_cached_memory()
+            for tag in WAKE_ORDER:
+                self.llm.wake_up(tags=[tag])
+                self.free_at_wake[tag] = device_free_bytes()
+            self.asleep = False
+        request = LoRARequest(adapter.name, adapter.lora_id, str(adapter.folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(
+                f"weight push {adapter.version}: the engine did not load the adapter {adapter.folder}"
+            )
+        previous, self.lora_request = self.lora_request, request
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.llm.llm_engine.set_weight_version(str(adapter.version))
+        self.version = adapter.version
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load `weights` (HF names, full tensors in the serving dtype, consumed one at a time).

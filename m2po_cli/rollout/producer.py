@@ -10,19 +10,19 @@ learner's critical path; settled groups wait in a buffer until the learner takes
 Versions. A weight sync pauses the engines with `mode=keep`: requests in flight stay in the engine,
 recompute their KV cache under the new weights and go on sampling, so nothing is thrown away. Each
 token carries the version that sampled it (the server's weight-version spans); a group records the
-engine version at submission, the oldest any of its tokens can have.
+engine version at submission, the oldest any of its tokens can have (with LoRA, `adapters`, a request
+names its submission version's adapter, and all its tokens carry that version).
 
 Bounded staleness. The learner takes groups in admission order, B prompts per optimizer update, so
 the group admitted a-th is trained last by update `schedule.last_update(a)` = a // B (with `epochs`
 passes over each step's P prompts, the mini-batch's update in the last pass; `m2po_cli.schedule`). A
-new prompt is admitted at engine version v only while `last_update(admitted) <= v + max_staleness`: its tokens, sampled at v or
-later, are trained no later than max_staleness updates after their own version, and nothing is ever
-dropped. Admission order also keeps the trained sample unbiased: a long response is trained in its
-turn, not after the short ones that overtook it.
+new prompt is admitted at engine version v only while `last_update(admitted) <= v + max_staleness`:
+its tokens, sampled at v or later, are trained within max_staleness updates of their own version, and
+nothing is dropped. Admission order keeps the trained sample unbiased: a long response is trained in
+its turn, not after the short ones that overtook it.
 
-Failures. A started server that exits, a request without an answer within
-`rollout.request_timeout_s`, a learner waiting that long with no group finishing, and a run of
-requests that get no answer at all stop the run with one line naming the server (and its log).
+Failures. A started server that exits, a request unanswered in `request_timeout_s`, a learner waiting
+that long for a group, and a run of unanswered requests stop the run in one line naming the server.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from m2po_cli.data import Prompt, PromptBatches
 from m2po_cli.errors import UserError
 from m2po_cli.rollout.episode import Episode, Episodes, play_episodes
 from m2po_cli.rollout.idle import IdleClock
+from m2po_cli.rollout.payload import adapter_name, swap_adapter
 from m2po_cli.rollout.server import (
     EXIT_GRACE_S,
     GENERATE,
@@ -76,16 +77,16 @@ class RolloutProducer:
         settle: Settle | None = None,
         run_seed: int = 0,
         episodes: Episodes | None = None,
+        adapters: bool = False,
     ):
-        self.servers, self.prompts, self.cfg = servers, prompts, cfg
+        self.servers, self.prompts, self.cfg, self.adapters = servers, prompts, cfg, adapters
         # The completions' text, decoded here rather than on the engines' side.
         self.decode = functools.partial(prompts.tokenizer.decode, skip_special_tokens=True)
         self.run_seed = run_seed  # with a request's admission index, its sampling seed
         self.schedule, self.max_staleness = schedule, max_staleness
         self.settle = settle
         self.episodes = episodes or Episodes(EnvConfig(), cfg.max_new_tokens, None, None)  # one turn
-        # Requests in flight per server: enough to keep its batch full, not every admitted prompt.
-        self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])
+        self.per_server = max([1] + [2 * s.max_num_seqs // cfg.n for s in servers])  # keeps a batch full
         self.cond = threading.Condition()
         self.engine_version = version
         # The learner has consumed the groups of the steps before `version`; the carried ones were
@@ -107,8 +108,7 @@ class RolloutProducer:
         self._last_progress = time.monotonic()
         self._t_metrics = time.perf_counter()  # counters since the last `take_metrics()`:
         self.idle = IdleClock()
-        self._learner_wait_s = 0.0
-        self._num_samples = self._num_tokens = self._regenerated = 0
+        self._learner_wait_s, self._num_samples, self._num_tokens, self._regenerated = 0.0, 0, 0, 0
         self._loop: asyncio.AbstractEventLoop | None = None  # the request loop, once it runs
         self._admission: asyncio.Event | None = None
         self.threads = [
@@ -163,12 +163,12 @@ class RolloutProducer:
 
     def swap(self, load: Load, version: int) -> None:
         """Load new weights into every engine with `load(servers)` (the weight transport's rank-0 side);
-        requests in flight go on under the new weights."""
+        requests in flight go on under the new weights (with adapters: under the one they named)."""
         with self.cond:
             self.syncing = True
             self._update_idle()
         try:
-            swap_weights(self.servers, load, version)
+            (swap_adapter if self.adapters else swap_weights)(self.servers, load, version)
         finally:
             with self.cond:
                 self.engine_version, self.syncing = version, False
@@ -283,7 +283,7 @@ class RolloutProducer:
             index = self.running[key][0]
         seed = request_seed(self.run_seed, index)  # a resubmitted prompt samples what it would have
         try:
-            episodes = await self._episodes(http, url, ticket.prompt, seed)
+            episodes = await self._episodes(http, url, ticket.prompt, seed, version)
         except UserError as e:  # a server's error, or an environment's
             self._fail(e)
             return
@@ -300,13 +300,13 @@ class RolloutProducer:
             return
         self.finish(key, ticket, version, episodes)
 
-    async def _episodes(self, http, url: str, prompt: Prompt, seed: int) -> list[Episode] | None:
+    async def _episodes(self, http, url: str, prompt: Prompt, seed: int, v: int) -> list[Episode] | None:
         """The `n` episodes of `prompt`, every turn from the server at `url`, whose prefix cache holds
         the episode (`episode.play_episodes`); None if the engine aborted a request. A turn sent while
-        a weight swap pauses the server waits in it."""
+        a weight swap pauses the server waits in it; with adapters, every turn names version `v`'s."""
         echo = self.episodes.multi_turn  # the server repeats the tokens it was given, to check
-        model = self.servers_by_url[url].model_name
-        sample = server_sampler(http, url, model, self.cfg, self.decode, echo, self._answered)
+        model, fixed = (adapter_name(v), v) if self.adapters else (self.servers_by_url[url].model_name, None)
+        sample = server_sampler(http, url, model, self.cfg, self.decode, echo, self._answered, fixed)
         return await play_episodes(sample, self.episodes, prompt, seed)
 
     def _answered(self) -> None:

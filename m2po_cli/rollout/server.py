@@ -13,10 +13,12 @@ that group (kill -9 included) takes the engine along; it also gets a parent-deat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -70,9 +72,9 @@ class EngineServer:
         return server
 
     @classmethod
-    def spawn(cls, model_dir, cfg, dtype, max_model_len, log_path, devices=None) -> EngineServer:
-        """`start` without the wait: the server loads its model while the caller goes on."""
-        proc, port = spawn(model_dir, cfg, dtype, max_model_len, log_path, devices)
+    def spawn(cls, model_dir, cfg, dtype, max_model_len, log_path, devices=None, lora=(0, 1)) -> EngineServer:
+        """`start` without the wait: the server loads its model meanwhile; `lora`: `serve_command`'s."""
+        proc, port = spawn(model_dir, cfg, dtype, max_model_len, log_path, devices, lora)
         return cls(f"http://127.0.0.1:{port}", proc, log_path)
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -97,15 +99,14 @@ class EngineServer:
     def _adopt_children(self) -> None:
         """Remember the processes the server started (its engine core and workers): if the server
         dies alone, they are no longer its children, and `close()` must still stop them."""
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             self.children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            self.children = []
 
-    def check(self, signature: dict, max_model_len: int) -> None:
+    def check(self, signature: dict, max_model_len: int, lora_rank: int = 0) -> None:
         """Stop the run, in one line with the real reason, unless this is a vLLM server with the
         routes the run needs, serving a model of the learner's shape (`signature`, see
-        `worker.model_signature`) with room for `max_model_len` tokens and behaviour logprobs."""
+        `worker.model_signature`) with room for `max_model_len` tokens and behaviour logprobs, and
+        adapters of `lora_rank` when it is not 0."""
         health = self._call("GET", "/health")
         if health.status_code != 200:
             raise self._refuse(
@@ -129,6 +130,9 @@ class EngineServer:
                 f"returns {config['model_config'].get('logprobs_mode')} logprobs, not those of the distribution "
                 "it samples: start it with --logprobs-mode processed_logprobs"
             )
+        if lora_rank and int((config.get("lora_config") or {}).get("max_lora_rank") or 0) < lora_rank:
+            raise self._refuse(f"serves no LoRA adapters of rank {lora_rank}: start it with --enable-lora "
+                               f"--max-lora-rank >= {lora_rank} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")  # fmt: skip
         probe = {"model": self.model_name, "token_ids": [0], "sampling_params": {"max_tokens": 1}}
         generate = self._call("POST", GENERATE, json=probe)
         if generate.status_code != 200:
@@ -342,16 +346,19 @@ def server_sampler(
     decode: Callable[[list[int]], str],
     echo: bool,
     answered: Callable[[], None] | None = None,
+    version: int | None = None,
 ) -> Callable[[list[int], int, int | None], Awaitable[list[Completion] | None]]:
     """`sample(token_ids, seed, max_tokens)`: one `generate` request of `sampling_body` to the server
     at `url`, its completions (None: aborted); what an episode samples its turns with. `answered()`
-    hears of every answer."""
+    hears of every answer. `version`: every token's (an adapter's), in place of the engine's spans."""
 
     async def sample(token_ids: list[int], seed: int, max_tokens: int | None) -> list[Completion] | None:
         body = sampling_body(token_ids, cfg, seed, model, max_tokens, echo)
         completions = await generate(http, url, body, decode, cfg.request_timeout_s)
         if answered is not None:
             answered()
+        if version is not None and completions:
+            completions = [replace(c, versions=[version] * len(c.token_ids)) for c in completions]
         return completions
 
     return sample

@@ -17,6 +17,10 @@ from m2po_cli.config import EngineTable, RolloutConfig
 
 # vLLM imports the worker extension by name in every worker process (`rollout/worker.py`).
 WORKER_EXTENSION = "m2po_cli.rollout.worker.WeightSync"
+# The adapter ranks vLLM allocates for (`--max-lora-rank` takes one of them).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Adapter slots on the device (each holds one adapter at --max-lora-rank: 87 MB at Qwen3-8B, r 16).
+MAX_DEVICE_LORAS = 8
 # Tokens a CPU engine step may take (vLLM's own CPU default), raised to the longest sequence.
 CPU_BATCHED_TOKENS = 4096
 
@@ -29,10 +33,13 @@ def engine_args(
     max_model_len: int,
     on_gpu: bool,
     behaviour_logprobs: bool,
+    lora_rank: int = 0,
+    lora_slots: int = 1,
 ) -> dict[str, Any]:
     """The engine arguments of one engine of `engine`'s keys. `behaviour_logprobs`: a rollout engine,
     whose sampled tokens' logprobs are the behaviour policy's. The KV cache is sized in bytes on the
-    CPU, as a share of the device's memory on a GPU."""
+    CPU, as a share of the device's memory on a GPU. `lora_rank` > 0: the engine serves adapters of
+    that rank, `lora_slots` of them at once (`payload.lora_slots`)."""
     args: dict[str, Any] = dict(
         model=str(model_dir),
         dtype=dtype,
@@ -46,6 +53,13 @@ def engine_args(
     if behaviour_logprobs:
         # Behaviour logprobs must be those of the distribution actually sampled (after temperature).
         args["logprobs_mode"] = "processed_logprobs"
+    if lora_rank:
+        # vLLM sizes its adapter buffers by max_lora_rank, which must be one of its supported ranks.
+        args["enable_lora"] = True
+        args["max_lora_rank"] = min(r for r in VLLM_LORA_RANKS if r >= lora_rank)
+        # Adapters batched at once on the device; the others wait in host memory (`payload.lora_slots`).
+        args["max_loras"] = min(lora_slots, MAX_DEVICE_LORAS)
+        args["max_cpu_loras"] = lora_slots
     if on_gpu:
         args["gpu_memory_utilization"] = engine.gpu_memory_utilization
     else:

@@ -36,6 +36,7 @@ from m2po_cli.torchrun import launch
 from m2po_cli.train.fifo import StalenessQueue
 from m2po_cli.train.pack import grade_and_pack
 from m2po_cli.train.packed import PackedRollouts, distribute
+from m2po_cli.train.push import PUSH_MISMATCH, Pusher
 from m2po_cli.train.runlog import RunLog
 
 # Rows per rank scored at the behaviour version for the mismatch metrics when nothing else needs them.
@@ -73,8 +74,11 @@ class ColocatedSource:
                 workers = grader_workers(max(1, local))
                 self.grader = self._stack.enter_context(recipe_grader(recipe, workers))
             self.engine = build_engine(model_dir, recipe, learner.world, log)
-            self.sampler = Sampler(self.engine, self.grader, episodes)
             self._stack.callback(self.engine.close)
+            self.sampler = Sampler(self.engine, self.grader, episodes)
+            vocab = len(self.engine.tokenizer)
+            self.pusher = Pusher(learner, self.engine, recipe.run_dir, recipe.model.path, vocab)
+            self._stack.callback(self.pusher.close)
             if restored is not None:  # the engine gets the restored weights at `start`
                 self.queue.load(restored.path, learner.rank, learner.world)
         except BaseException:
@@ -90,7 +94,7 @@ class ColocatedSource:
         stops the run in its first minutes, not after the K batches (1-2 hours at the 8B recipe)."""
         allocate_state(self.learner.optimizer)
         self.engine.sleep()
-        sync_weights(self.learner, self.engine)
+        self.pusher.push()
         while not self.queue.warm:
             self.queue.push(self._rollout(len(self.queue.queue) - self.recipe.queue_batches))
 
@@ -105,7 +109,7 @@ class ColocatedSource:
     def after_update(self, learner: Learner) -> None:
         """The engine samples again only after a step's last update, so the push waits for it."""
         if learner.version % self.recipe.updates_per_step == 0:
-            sync_weights(learner, self.engine)
+            self.pusher.push()
 
     def state(self) -> dict:
         return {"data": self.prompts.state_dict()}
@@ -117,9 +121,10 @@ class ColocatedSource:
     def take_metrics(self) -> dict[str, float]:
         """The reward of the batch this step generated and the policy version that generated it
         (`rollout/newest_reward_mean`, `staleness/newest_version`: the current policy's reward, which
-        the trained batch's `rollout/reward_mean` shows only s updates later); on GPU the device memory
+        the trained batch's `rollout/reward_mean` shows only s updates later), the last push check's mean
+        engine-learner logprob gap (`rollout/push_check_mismatch`); on GPU the device memory
         free right after this step's wakes (`mem/free_after_wake_*_gb`, the least over ranks)."""
-        out, self.newest = self.newest, {}
+        out, self.newest = self.newest | {PUSH_MISMATCH: self.pusher.mismatch}, {}
         free = self.engine.free_at_wake
         if not free:
             return out
@@ -184,13 +189,8 @@ def build_engine(model_dir: Path, recipe: Recipe, world: int, log: RunLog | None
         recipe.max_model_len,
         world=world,
         log=log.message if log is not None else None,
+        lora_rank=recipe.lora.rank,
     )
-
-
-def sync_weights(learner: Learner, engine: RolloutEngine | None) -> None:
-    """Stream the learner's weights into this rank's engine; every rank at once (a collective)."""
-    if engine is not None:
-        engine.push_weights(learner.hf_weights(engine.dtype), learner.version)
 
 
 def engine_share(rank: int, world: int, tp: int, num_prompts: int) -> tuple[int, range]:

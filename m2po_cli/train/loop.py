@@ -28,7 +28,7 @@ from m2po_cli.loss import build_loss
 from m2po_cli.models import check_model_dir, load_tokenizer, resolve_model
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.episode import Episodes, build_episodes
-from m2po_cli.run_dir import EXPORT, GENERATED_TOKENS, STEP_SECONDS
+from m2po_cli.run_dir import ADAPTER, EXPORT, GENERATED_TOKENS, STEP_SECONDS
 from m2po_cli.torchrun import launch
 from m2po_cli.train.colocated import ColocatedSource
 from m2po_cli.train.packed import PackedRollouts
@@ -131,10 +131,19 @@ def train(recipe: Recipe, problems: list[Problem] | None = None) -> Path:
                 save = saver(source, reuse, learner)
                 checkpoint.save(run_dir, step + 1, learner, loop_state, recipe.checkpoint.keep, save)
         if recipe.checkpoint.export_hf:
-            learner.export_hf(run_dir / EXPORT, model_dir)
+            export(learner, recipe, run_dir, model_dir)
     if log is not None:
         log.message(log.summary())
     return run_dir
+
+
+def export(learner: Learner, recipe: Recipe, run_dir: Path, model_dir: Path) -> None:
+    """The final policy: HF safetensors in `export/`; with LoRA the adapter in PEFT format in
+    `adapter/`, and the merged weights in `export/` only when asked (`lora.export_merged`)."""
+    if learner.lora is not None:
+        learner.export_adapter(run_dir / ADAPTER)
+    if learner.lora is None or recipe.lora.export_merged:
+        learner.export_hf(run_dir / EXPORT, model_dir)
 
 
 def prepare(

@@ -35,6 +35,7 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.record import Recorder
 from m2po_cli.rollout.deadline import SyncWatch
 from m2po_cli.rollout.episode import Episodes
+from m2po_cli.rollout.payload import lora_slots
 from m2po_cli.rollout.producer import RolloutProducer
 from m2po_cli.rollout.server import EngineServer, Load
 from m2po_cli.rollout.transport import ShmWeightTransport, WeightTransport, resolve_transport
@@ -42,6 +43,7 @@ from m2po_cli.rollout.types import Finished, Group, Ticket
 from m2po_cli.rollout.worker import model_signature
 from m2po_cli.schedule import Schedule
 from m2po_cli.torchrun import launch
+from m2po_cli.train.adapter_sync import AdapterTransport
 from m2po_cli.train.fifo import unshared
 from m2po_cli.train.pack import grade_and_pack
 from m2po_cli.train.packed import PackedRollouts, distribute
@@ -81,7 +83,7 @@ class SeparateSource:
         try:
             if log is not None:
                 self._start_producer(model_dir, prompts, restored)
-            self.transport = make_transport(recipe, learner, self.producer)
+            self.transport = make_transport(recipe, learner, self.producer, len(prompts.tokenizer))
             self._stack.callback(self.transport.close)
             if log is not None and self.transport.swept:
                 log.message(
@@ -129,6 +131,7 @@ class SeparateSource:
             settle=lambda finished: settle(finished, self.grader, recipe),
             run_seed=recipe.run.seed,
             episodes=self.episodes,
+            adapters=recipe.lora.enabled,
         )
         self._stack.callback(self.producer.stop)
 
@@ -182,16 +185,20 @@ class SeparateSource:
         self.close()
 
 
-def make_transport(recipe: Recipe, learner: Learner, producer: RolloutProducer | None) -> WeightTransport:
+def make_transport(
+    recipe: Recipe, learner: Learner, producer: RolloutProducer | None, vocab: int
+) -> WeightTransport:
     """The recipe's weight transport (every rank builds it; only rank 0 has the producer, and there
     every sync runs under a `SyncWatch` whose abort stops the engines and removes the transport's
-    files before the process ends)."""
+    files before the process ends); a LoRA run's sends the adapter (`adapter_sync`)."""
     cfg, dtype = recipe.rollout, torch_dtype(recipe.model.dtype)
-    swap, transport = None, None
+    swap, transport, lora = None, None, recipe.lora.enabled
     if producer is not None:
         abort = abort_run(producer.servers, lambda: transport is not None and transport.remove_files())
         swap = watched(producer.swap, SyncWatch(producer.servers, cfg.sync_timeout_s, abort))
-    if resolve_transport(cfg.weight_transport) == "nccl":
+    if lora:
+        transport = AdapterTransport(recipe, learner, swap, producer.servers if producer else None, vocab)
+    elif resolve_transport(cfg.weight_transport) == "nccl":
         from m2po_cli.rollout.nccl import NcclWeightTransport
 
         servers = producer.servers if producer is not None else None
@@ -251,7 +258,7 @@ def start_servers(
         for s in servers:
             if cfg.attach_wait_s:  # started by a job script at the same time as the run
                 s.wait_ready(cfg.attach_wait_s)
-            s.check(signature, recipe.max_model_len)
+            s.check(signature, recipe.max_model_len, recipe.lora.rank)
         return servers
     wait = f"{cfg.server_start_timeout_s:.0f} s"
     say(f"starting {cfg.num_engines} vllm serve engine(s) (at most {wait}); output: {run_dir}/engine-*.log")
@@ -265,10 +272,13 @@ def start_servers(
                 devices = engine_devices(i, tp, local, torch.cuda.device_count())
             dtype, log_path = resolve_dtype(recipe.model.dtype), run_dir / f"engine-{i}.log"
             windows.append(time.monotonic() - t0)
-            servers.append(EngineServer.spawn(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices))
+            lora = (recipe.lora.rank, lora_slots(recipe.staleness.max_staleness, cfg.sync_every))
+            servers.append(
+                EngineServer.spawn(model_dir, cfg, dtype, recipe.max_model_len, log_path, devices, lora)
+            )
         ready = wait_all(servers, cfg.server_start_timeout_s, t0)
         for s in servers:
-            s.check(signature, recipe.max_model_len)
+            s.check(signature, recipe.max_model_len, recipe.lora.rank)
     except BaseException:
         for s in servers:
             s.close()

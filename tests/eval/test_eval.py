@@ -145,7 +145,8 @@ def test_reported_ks():
         ),
         (
             [str(ROOT)],
-            "neither an HF model directory (config.json), a run directory (config.toml) nor a saved step",
+            "neither an HF model directory (config.json), a PEFT adapter (adapter_config.json), a run "
+            "directory (config.toml) nor a saved step",
         ),
         (["builtin:tiny-qwen3", "--data-dir", str(ROOT)], f"{ROOT}/aime24.jsonl: benchmark file not found"),
         (["builtin:tiny-qwen3", "--set", "grader.workers=0"], "grader.workers: must be >= 1 (got 0)"),

@@ -53,11 +53,12 @@ def run_worker(out: Path, nproc: int, *overrides: str) -> None:
     [
         [],  # FSDP: the model sharded over both ranks
         ["parallel.dp_replicate=2"],  # HSDP: two whole replicas, gradients summed across them
+        ["lora.rank=4"],  # FSDP with a LoRA adapter: only the adapter trains (both layouts)
     ],
-    ids=["fsdp", "hsdp"],
+    ids=["fsdp", "hsdp", "lora"],
 )
 def test_two_ranks_equal_one_process(tmp_path, layout):
-    run_worker(tmp_path / "one", 1)
+    run_worker(tmp_path / "one", 1, *[k for k in layout if k.startswith("lora.")])
     run_worker(tmp_path / "two", 2, *layout)
     single = torch.load(tmp_path / "one" / "rank0.pt")
     rank0 = torch.load(tmp_path / "two" / "rank0.pt")
@@ -380,6 +381,7 @@ def test_grpo_updates_equal_the_standard_update_written_out(tmp_path):
         model_dir, rows, [range(half), range(half, 2 * half)], recipe
     )
 
+    grads_U = [learner.arch.adapter.to_hf(g) for g in grads_U]  # HF names, as the reference's
     assert len(grads_U) == 2 and metrics["loss/clip_frac"] > 0, "the second update's clip never acted"
     # The gradient's scale (the token mean), which the clip would hide: the norms before the clip.
     assert min(ref_norms_U) > recipe.optim.grad_clip, "the gradient clip never acted"

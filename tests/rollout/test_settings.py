@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import pytest
 import torch
 
 from m2po_cli.config import RolloutConfig, load_recipe
 from m2po_cli.rollout.launch import serve_command
+from m2po_cli.rollout.payload import lora_slots
 from m2po_cli.rollout.server import sampling_body
 from m2po_cli.rollout.settings import (
     cli_flags,
@@ -114,3 +116,19 @@ def test_a_cpu_engine_prefills_every_prompt_in_one_step():
     args = rollout_engine_args(on_gpu=False, max_model_len=6000)
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 6000
     assert "--no-enable-chunked-prefill" in cli_flags(args)
+
+
+@pytest.mark.parametrize("rank, vllm_rank", [(1, 1), (12, 16), (16, 16), (17, 32), (512, 512)])
+def test_a_lora_engine_holds_adapters_of_the_rank_in_the_slots_the_bound_needs(rank, vllm_rank):
+    """vLLM takes a max rank from its own list; device slots are capped, host slots are not."""
+    cfg = load_recipe(ROOT / "recipes" / "quickstart-separate.toml").rollout
+    slots = lora_slots(max_staleness=20, sync_every=1)
+    assert slots == 22 and lora_slots(max_staleness=20, sync_every=3) == 9
+    args = engine_args(Path("/m"), cfg, dtype="float32", max_model_len=96, on_gpu=False,
+                       behaviour_logprobs=True, lora_rank=rank, lora_slots=slots)  # fmt: skip
+    assert args["enable_lora"] and args["max_lora_rank"] == vllm_rank
+    assert (args["max_loras"], args["max_cpu_loras"]) == (8, 22)
+    cmd = serve_command(Path("/m"), cfg, "float32", 96, port=8123, lora=(rank, slots))
+    assert cmd[cmd.index("--max-lora-rank") + 1] == str(vllm_rank) and "--enable-lora" in cmd
+    assert "enable_lora" not in engine_args(Path("/m"), cfg, dtype="float32", max_model_len=96,
+                                            on_gpu=False, behaviour_logprobs=True)  # fmt: skip

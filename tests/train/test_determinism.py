@@ -3,6 +3,7 @@ busy machine too, and a run killed at any moment resumes step for step, its expo
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -73,14 +74,24 @@ def killed_when(out: Path, name: str, lines: int, *more: str) -> None:
         proc.wait()
 
 
-def test_a_run_killed_at_any_moment_resumes_step_for_step(tmp_path):
+@pytest.mark.parametrize(
+    "more",
+    [[], ["lora.rank=8", "optim.lr=0.005", "lora.export_merged=true"]],
+    ids=["full", "lora"],
+)
+def test_a_run_killed_at_any_moment_resumes_step_for_step(tmp_path, more):
     """Killed while starting, mid-run (between checkpoints) and near its end, then run to the end:
-    every step's metrics and the exported weights are the uninterrupted run's, bit for bit."""
-    subprocess.run(train_command(tmp_path, "whole"), check=True, capture_output=True, env=env(), timeout=900)
+    every step's metrics and the exported weights (a LoRA run's adapter and merged weights) are the
+    uninterrupted run's, bit for bit."""
+    run = functools.partial(subprocess.run, check=True, capture_output=True, env=env(), timeout=900)
+    run(train_command(tmp_path, "whole", *more))
     for lines in (0, 3, 8):
-        killed_when(tmp_path, "killed", lines)
-    subprocess.run(train_command(tmp_path, "killed"), check=True, capture_output=True, env=env(), timeout=900)
+        killed_when(tmp_path, "killed", lines, *more)
+    run(train_command(tmp_path, "killed", *more))
     whole, killed = compared(tmp_path / "whole"), compared(tmp_path / "killed")
     assert [r["step"] for r in killed] == list(range(10)), "a step was lost or repeated"
     assert first_difference(whole, killed) is None
     assert exported(tmp_path / "whole") == exported(tmp_path / "killed") is not None
+    if more:
+        assert (tmp_path / "killed" / "adapter" / "adapter_model.safetensors").is_file()
+        assert whole[-1]["rollout/push_check_mismatch"] < 1e-4

@@ -148,6 +148,31 @@ def test_sigkill_then_resume_trains_every_prompt_once_and_the_settled_groups_as_
     assert {k: trained[k] for k in kept} == kept, "a kept group was generated again"
 
 
+def test_a_lora_run_killed_and_resumed_trains_every_prompt_once_on_checked_adapters(tmp_path):
+    """LoRA: each sync loads the adapter under its version's name (no pause), requests name the
+    adapter of their submission, and every push passes the probe check; adapters older than the bound
+    are unloaded, and a killed run's adapter folder in shared memory is swept by the next start."""
+    from m2po_cli.rollout.transport import PREFIX, shm_root
+
+    lora = ("lora.rank=8", "optim.lr=0.005")
+    killed_at(tmp_path, 4, lora)
+    assert list(shm_root().glob(f"{PREFIX}run-adapters-pid*")), "the killed run left no adapter folder"
+    env = dict(os.environ, PYTHONPATH=str(RECIPE.parents[1]))
+    second = subprocess.run(command(tmp_path, *lora), capture_output=True, text=True, env=env, timeout=900)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    run_dir = tmp_path / "run"
+    check_every_prompt_trained_once(run_dir)
+    steps = records(run_dir, "metrics.jsonl")
+    assert all(m["rollout/push_check_mismatch"] < 1e-4 for m in steps)
+    # One version a sync (sync_every 1) within the bound is held, never more: MAX_STALENESS + 1.
+    assert all(1 <= m["rollout/adapters_loaded"] <= MAX_STALENESS + 1 for m in steps)
+    assert steps[-1]["rollout/adapters_loaded"] == MAX_STALENESS + 1
+    # A request's tokens all carry its submission version: a token is as stale as its group.
+    assert all(m["staleness/mean"] == m["staleness/max"] for m in steps)
+    assert all(0 < m["perf/weight_sync_bytes"] < 200_000 for m in steps)  # the adapter, not the model
+    assert not list(shm_root().glob(f"{PREFIX}run-adapters-pid*")), "an adapter folder was left behind"
+
+
 def test_the_tools_recipe_killed_twice_mid_episode_resumes_with_every_prompt_trained_once(tmp_path):
     # Two-turn episodes with the calculator tool, killed while groups are in the middle of their
     # episodes, twice; every token's staleness stays within the bound.

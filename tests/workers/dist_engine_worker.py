@@ -32,9 +32,10 @@ from m2po_cli.rollout.episode import Episodes, one_turn
 from m2po_cli.rollout.settings import request_seed
 from m2po_cli.rollout.types import Completion
 from m2po_cli.schedule import Schedule
-from m2po_cli.train.colocated import Sampler, engine_share, rollout, sync_weights
+from m2po_cli.train.colocated import Sampler, engine_share, rollout
 from m2po_cli.train.pack import pack_groups
 from m2po_cli.train.packed import PackedRollouts, distribute
+from m2po_cli.train.push import Pusher
 from tests.probes import require_version
 from tests.rollout.test_weight_sync import logprob_gap, no_record
 from tests.steps import train_once
@@ -136,6 +137,7 @@ def main(out: Path, tp: int) -> None:
     ]
     record = {"rank": learner.rank, "world": learner.world, "generated": [], "gaps": [], "stale": []}
     record["skips_caught"] = 0
+    pusher = Pusher(learner, engine, out, recipe.model.path, len(tokenizer))
     record["embedding_rows"], record["vocab"] = engine.llm.collective_rpc(embedding_rows)[0]
     try:
         if tp == 1:
@@ -152,7 +154,7 @@ def main(out: Path, tp: int) -> None:
                 require_version(engine, learner.version)
             except RuntimeError:
                 record["skips_caught"] += 1
-            sync_weights(learner, engine)
+            pusher.push()  # and its check
             require_version(engine, learner.version)
             record["gaps"].append(logprob_gap(engine, learner, probe))
     finally:

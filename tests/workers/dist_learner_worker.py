@@ -3,7 +3,7 @@
     python tests/workers/dist_learner_worker.py OUT [KEY=VALUE ...]   (recipe overrides, e.g. HSDP degrees)
 
 Rank 0 packs the batch and `distribute` gives each rank its rows, as in `m2po train`. Every rank
-writes its gathered HF state dict, its metrics, the gradient of each update (HF names) and its rows'
+writes its gathered trained parameters, its metrics, the gradient of each update and its rows'
 behaviour-version scores (sharded, and every row scored by every rank) to OUT/rank<r>.pt.
 """
 
@@ -67,12 +67,12 @@ def fixed_batch(step: int, num_prompts: int, n: int, vocab: int) -> PackedRollou
 
 
 def applied_gradients(learner: Learner) -> list[dict[str, torch.Tensor]]:
-    """A list that gets the gradient the optimizer applies at each update (clipped), gathered whole
-    and in HF names, on every rank."""
+    """A list that gets the gradient the optimizer applies at each update (clipped) to each trained
+    parameter (all of them, or a LoRA adapter), gathered whole, on every rank."""
     grads: list[dict[str, torch.Tensor]] = []
     learner.optimizer.register_step_pre_hook(
         lambda *_: grads.append(
-            learner.arch.adapter.to_hf({k: p.grad.full_tensor() for k, p in learner.model.named_parameters()})
+            {k: p.grad.full_tensor() for k, p in learner.model.named_parameters() if p.requires_grad}
         )
     )
     return grads
@@ -118,9 +118,8 @@ def main(out: Path, extra: list[str]) -> None:
         metrics.append(
             train_on(plan_passes(batch, Schedule.of(recipe)), learner, loss_fn, None, recipe, recorder, step)
         )
-    # Every rank gathers the full weights itself, so ranks can be compared with each other.
-    full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
-    state = learner.arch.adapter.to_hf(full)
+    # Every rank gathers the trained weights itself, so ranks can be compared with each other.
+    state = {k: p.full_tensor() for k, p in learner.model.named_parameters() if p.requires_grad}
     torch.save(
         {"state": state, "metrics": metrics, "scored": scored, "grads": grads}, out / f"rank{learner.rank}.pt"
     )
