@@ -56,12 +56,10 @@ LOADED = "rollout/adapters_loaded"  # the metric: versions the engines hold afte
 
 
 class AdapterTransport(WeightTransport):
-    """`WeightTransport` of a LoRA run's adapter; `servers` (rank 0 only, with `swap`) take it."""
+    """`WeightTransport` of a LoRA run's adapter, in the serving `dtype`; `servers` (rank 0 only, with
+    `swap`) take it; `vocab` bounds the probe's token ids."""
 
-    def __init__(
-        self, recipe: Recipe, learner: Learner, swap, servers: list[EngineServer] | None, vocab: int
-    ):
-        dtype = getattr(torch, "bfloat16" if recipe.model.dtype == "bfloat16" else "float32")
+    def __init__(self, recipe: Recipe, learner: Learner, dtype: torch.dtype, swap, servers, vocab: int):
         super().__init__(learner.rank, recipe.rollout.sync_every, dtype, swap)
         self.recipe, self.servers = recipe, servers
         self.probe = probe_prompt(vocab)

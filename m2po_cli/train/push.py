@@ -14,6 +14,7 @@ line when the mean difference exceeds `rollout.push_check_tolerance`.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -82,6 +83,8 @@ class Pusher:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # `adapters/`, once no rank has a folder there
+            self.folder.parent.rmdir()
 
 
 def probe_gap(learner: Learner, probe: list[int], completions: list[Completion]) -> float:

@@ -197,7 +197,8 @@ def make_transport(
         abort = abort_run(producer.servers, lambda: transport is not None and transport.remove_files())
         swap = watched(producer.swap, SyncWatch(producer.servers, cfg.sync_timeout_s, abort))
     if lora:
-        transport = AdapterTransport(recipe, learner, swap, producer.servers if producer else None, vocab)
+        servers = producer.servers if producer is not None else None
+        transport = AdapterTransport(recipe, learner, dtype, swap, servers, vocab)
     elif resolve_transport(cfg.weight_transport) == "nccl":
         from m2po_cli.rollout.nccl import NcclWeightTransport
 

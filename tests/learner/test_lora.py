@@ -113,3 +113,34 @@ def test_the_adapter_starts_from_the_seed_on_every_build(tmp_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert all(not v.any() for k, v in first.items() if "lora_B" in k)
     assert any(not torch.equal(first[k], other[k]) for k in first if "lora_A" in k)
+
+
+def test_the_adapters_gradient_is_the_full_gradient_through_a(tmp_path):
+    """At B = 0 the adapted model is the base, and the chain rule gives the adapter's gradient from
+    the full model's: dL/dB = (alpha / r) dL/dW A^T and dL/dA = (alpha / r) B^T dL/dW = 0. Both
+    learners take the same update of the same batch; the full one's gradients are the reference."""
+    from tests.workers.dist_learner_worker import applied_gradients
+
+    def first_gradients(*more: str) -> tuple[dict, dict]:
+        recipe = recipe_for(tmp_path, *OVERRIDES, "optim.grad_clip=0", *more)
+        learner = Learner(resolve_model(recipe.model.path), recipe)
+        grads = applied_gradients(learner)
+        start = {k: v.full_tensor().clone() for k, v in learner.model.state_dict().items()}
+        batch = fixed_batch(0, 4, 8, 90)
+        score_at_behaviour_version(batch, learner, True, 8)
+        train_once(batch, learner, recipe)
+        return start, grads[0]
+
+    _, full = first_gradients()
+    start, adapter = first_gradients(f"lora.rank={RANK}", f"lora.alpha={ALPHA}")
+    assert len(adapter) == 2 * 7 * 2
+    for name, grad in adapter.items():
+        if ".lora_a." in name:
+            assert not grad.any(), name
+            continue
+        a = start[name.replace(".lora_b.", ".lora_a.")]
+        expected = (ALPHA / RANK) * full[name.replace(".lora_b.", ".")] @ a.T
+        assert expected.abs().max() > 0, name
+        torch.testing.assert_close(
+            grad, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()), msg=name
+        )
