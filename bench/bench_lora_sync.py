@@ -6,7 +6,8 @@ the seven projections (`[lora]` defaults). Each repeat times, back to back on bo
 - push: what the colocated loop runs after a step's updates (`Pusher.payload` + `engine.push`): the
   full weights gathered and loaded in place, or the adapter gathered, written as a PEFT folder and
   loaded by the engine under its version's name;
-- check: the push check (`Pusher.check`: the engine samples 8 probe tokens, the learner scores them).
+- check: the push check (`Pusher.check`: one prefill of the probe in the engine, the learner scores
+  the 16 most likely next tokens).
 Prints medians and the full / LoRA ratios of bytes and seconds.
 
     .venv/bin/python bench/bench_lora_sync.py [--repeats 5] [--rank 16]

@@ -193,6 +193,17 @@ class VLLMEngine:
             for out in outputs
         ]
 
+    def next_logprobs(self, prompt: list[int], seed: int, top: int) -> dict[int, float]:
+        """After `prompt`, under the policy the engine serves, at the rollouts' temperature: the
+        logprobs of the `top` most likely next tokens and of the one sampled (one prefill, one token)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(**{**rollout_sampling(self.cfg, seed, 1), "logprobs": top}, detokenize=False)
+        (out,) = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False, lora_request=self.lora_request
+        )
+        return {token: entry.logprob for token, entry in out.outputs[0].logprobs[0].items()}
+
     def sleep(self) -> None:
         """Free the engine's device memory for training (GPU; level 2 also drops the weights)."""
         if self.sleep_level and not self.asleep:

@@ -57,10 +57,7 @@ Payload = FullWeights | Adapter
 
 
 def swap_adapter(servers: list, load, version: int) -> None:
-    """A separate-mode sync of an adapter (`RolloutProducer.swap`): `load(servers)`, with no pause and
-    no KV-cache reset (a request in flight goes on with the adapter it named). The engine-wide version
-    becomes the newest adapter's; a token's version is its request's adapter's (the producer reads
-    that, not the engine's spans)."""
+    """A separate-mode sync of an adapter (`RolloutProducer.swap`): `load(servers)`, with no pause, no
+    KV-cache reset and no engine-wide version: a request in flight goes on with the adapter it named,
+    and a token's version is its request's adapter's (the producer sets it, not the engine's spans)."""
     load(servers)
-    for server in servers:
-        server.set_version(version)

@@ -60,6 +60,9 @@ def engine_args(
         # Adapters batched at once on the device; the others wait in host memory (`payload.lora_slots`).
         args["max_loras"] = min(lora_slots, MAX_DEVICE_LORAS)
         args["max_cpu_loras"] = lora_slots
+        # The push check's probe goes ahead of the rollouts queued (at the default priority, 0, they
+        # keep their arrival order): a sync does not wait for a batch of responses to finish.
+        args["scheduling_policy"] = "priority"
     if on_gpu:
         args["gpu_memory_utilization"] = engine.gpu_memory_utilization
     else:

@@ -13,9 +13,11 @@ trained by update v + max_staleness, which the learner cannot pass before it has
 the push of version u every version below u - max_staleness is unloaded and its folder removed. An
 engine holds at most `payload.lora_slots` adapters.
 
-After each load every rank checks the engines (`push.probe_gap`): rank 0 samples the probe from each
-engine under the new name, and all ranks score the answers with the learner, which still holds that
-version; a mean gap above `rollout.push_check_tolerance` stops the run in one line.
+After each load every rank checks the engines (`push.probe_gap`): rank 0 asks each engine for the
+probe's next-token logprobs under the new name (one prefill, at a higher priority than the rollouts,
+so it waits neither behind the requests queued nor for decode steps), and all ranks score the same
+tokens with the learner, which still holds that version; a mean gap above
+`rollout.push_check_tolerance` stops the run in one line.
 """
 
 from __future__ import annotations
@@ -36,15 +38,13 @@ from m2po_cli.rollout.server import (
     GENERATE,
     EngineError,
     EngineServer,
-    parse_completions,
     sampling_body,
 )
 from m2po_cli.rollout.transport import PREFIX, WeightTransport, shm_root, sweep_orphans
-from m2po_cli.rollout.types import Completion
 from m2po_cli.train.push import (
     ADAPTERS,
     PROBE_SEED,
-    PROBE_TOKENS,
+    PROBE_TOP,
     PUSH_MISMATCH,
     probe_gap,
     probe_prompt,
@@ -92,6 +92,7 @@ class AdapterTransport(WeightTransport):
                 for model in server.http.get("/v1/models").json().get("data") or []:
                     if model["id"].startswith(ADAPTER_PREFIX):
                         server.post(UNLOAD, json={"lora_name": model["id"]})
+                server.set_version(version)  # numeric spans; each token's version is its adapter's
         for server in servers:
             server.post(LOAD, json={"lora_name": adapter_name(version), "lora_path": str(folder)})
         self.loaded.append(version)
@@ -102,24 +103,27 @@ class AdapterTransport(WeightTransport):
             self.loaded.remove(old)
 
     def _check(self, learner: Learner, version: int) -> None:
-        """Rank 0 samples the probe from every engine under the new adapter; every rank scores them."""
+        """Rank 0 has every engine score the probe's next tokens under the new adapter; every rank
+        compares them with the learner's."""
         answers: list = [None]
         if self.servers is not None:
-            body = sampling_body(
-                self.probe, self.recipe.rollout, PROBE_SEED, adapter_name(version), PROBE_TOKENS
-            )
-            answers = [[self._probe(server, body) for server in self.servers]]
+            answers = [[self._probe(server, adapter_name(version)) for server in self.servers]]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(answers, src=0)
         self.mismatch = probe_gap(learner, self.probe, answers[0])
         require_agreement(self.mismatch, self.recipe.rollout.push_check_tolerance, Adapter(Path(), version))
 
-    @staticmethod
-    def _probe(server: EngineServer, body: dict) -> Completion:
-        completions = parse_completions(server.post(GENERATE, json=body).json(), lambda _: "")
-        if not completions:
-            raise EngineError(f"rollout server {server.url}: the push check's probe request was aborted")
-        return completions[0]
+    def _probe(self, server: EngineServer, model: str) -> dict[int, float]:
+        """`VLLMEngine.next_logprobs` of a `vllm serve` engine, ahead of the rollouts it queues (the
+        engines of a LoRA run schedule by priority; rollouts keep the default, 0)."""
+        body = sampling_body(self.probe, self.recipe.rollout, PROBE_SEED, model, max_tokens=1)
+        body["sampling_params"]["logprobs"] = PROBE_TOP
+        body["priority"] = -1
+        choices = server.post(GENERATE, json=body).json().get("choices") or []
+        content = choices[0]["logprobs"]["content"] if choices and choices[0].get("logprobs") else []
+        if not content:
+            raise EngineError(f"rollout server {server.url}: the push check's probe got no logprobs")
+        return {entry["token_id"]: entry["logprob"] for entry in content[0]["top_logprobs"]}
 
     def take_metrics(self) -> dict[str, float]:
         return super().take_metrics() | {PUSH_MISMATCH: self.mismatch, LOADED: float(len(self.loaded))}

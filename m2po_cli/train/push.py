@@ -5,11 +5,13 @@ Full fine-tuning streams every weight (`FullWeights`). With LoRA the push is the
 loads it under the version's name; the previous version's folder goes once the new one is in (colocated,
 nothing is in flight across a push).
 
-After every push the engine samples `PROBE_TOKENS` tokens after a fixed probe prompt and the learner
-scores them at the version it pushed: both must give the same logprobs. An engine that kept the old
-weights, or serves the base model under an adapter it did not apply (vLLM only logs at debug level when
-an adapter's module names match nothing), differs by what the training changed; the run stops in one
-line when the mean difference exceeds `rollout.push_check_tolerance`.
+After every push the engine samples one token after a fixed probe prompt, with the logprobs of its
+`PROBE_TOP` most likely next tokens (one prefill: the check does not wait for decode steps of a busy
+engine), and the learner scores the same next tokens at the version it pushed, at the rollouts'
+temperature: both must give the same logprobs. An engine that kept the old weights, or serves the
+base model under an adapter it did not apply (vLLM only logs at debug level when an adapter's module
+names match nothing), differs by what the training changed; the run stops in one line when the mean
+difference exceeds `rollout.push_check_tolerance`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from m2po_cli.learner.policy import Learner
 from m2po_cli.lora import write_adapter
 from m2po_cli.rollout.engine import RolloutEngine
 from m2po_cli.rollout.payload import Adapter, FullWeights, Payload, adapter_name
-from m2po_cli.rollout.types import Completion
 
 PROBE_PROMPT = 16  # prompt tokens of the probe
-PROBE_TOKENS = 8  # tokens the engine samples after it
-PROBE_SEED = 20251  # the probe's sampling seed: the same tokens for the same weights
+PROBE_TOP = 16  # next tokens whose logprobs are compared (the engine's most likely, and the one sampled)
+PROBE_SEED = 20251  # the probe's sampling seed: the same token for the same weights
 ADAPTERS = "adapters"
 PUSH_MISMATCH = (
     "rollout/push_check_mismatch"  # the metric: the last check's mean gap, the largest of any rank
@@ -74,10 +75,10 @@ class Pusher:
         return Adapter(folder, learner.version)
 
     def check(self, payload: Payload) -> None:
-        """The engine's logprobs of the probe's sampled tokens against the learner's; every rank its own
+        """The engine's logprobs of the probe's next tokens against the learner's; every rank its own
         engine, and all stop together (the largest mean difference of any rank decides)."""
-        completions = self.engine.generate([self.probe], [PROBE_SEED], max_tokens=[PROBE_TOKENS])[0]
-        gap = torch.tensor([probe_gap(self.learner, self.probe, completions)], dtype=torch.float64)
+        scored = self.engine.next_logprobs(self.probe, PROBE_SEED, PROBE_TOP)
+        gap = torch.tensor([probe_gap(self.learner, self.probe, [scored])], dtype=torch.float64)
         self.mismatch = float(all_reduce(gap, dist.ReduceOp.MAX)[0])
         require_agreement(self.mismatch, self.learner.recipe.rollout.push_check_tolerance, payload)
 
@@ -87,25 +88,21 @@ class Pusher:
             self.folder.parent.rmdir()
 
 
-def probe_gap(learner: Learner, probe: list[int], completions: list[Completion]) -> float:
-    """The largest, over `completions` of `probe`, of the mean |learner - engine| logprob of their
-    tokens, the learner scoring at its current version. A collective (`Learner.score`)."""
-    length = len(probe) + max(len(c.token_ids) for c in completions)
-    tokens_BL, mask_BL = (
-        torch.zeros(len(completions), length, dtype=torch.long),
-        torch.zeros(len(completions), length),
-    )
-    engine_BL = torch.zeros(len(completions), length, dtype=torch.float64)
-    for i, c in enumerate(completions):
-        end = len(probe) + len(c.token_ids)
-        tokens_BL[i, :end] = torch.tensor(probe + c.token_ids)
-        mask_BL[i, len(probe) : end] = 1.0
-        engine_BL[i, len(probe) : end] = torch.tensor(c.logprobs, dtype=torch.float64)
-    lengths_B = mask_BL.sum(1).long() + len(probe)
-    batch = Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), torch.zeros(len(completions)), lengths_B)
-    learner_BL, _ = learner.score(batch)
-    gaps_B = ((learner_BL.double() - engine_BL).abs() * mask_BL).sum(1) / mask_BL.sum(1)
-    return float(gaps_B.max())
+def probe_gap(learner: Learner, probe: list[int], engines: list[dict[int, float]]) -> float:
+    """The largest, over `engines` (each one's logprobs of some next tokens after `probe`), of the mean
+    |learner - engine| logprob of those tokens, the learner scoring at its current version and the
+    rollouts' temperature. A collective (`Learner.score`)."""
+    rows = [(i, token) for i, scored in enumerate(engines) for token in scored]
+    tokens_BL = torch.tensor([probe + [token] for _, token in rows])
+    mask_BL = torch.zeros(tokens_BL.shape)
+    mask_BL[:, -1] = 1.0
+    lengths_B = torch.full((len(rows),), tokens_BL.shape[1])
+    batch = Batch(tokens_BL, mask_BL, torch.zeros_like(mask_BL), torch.zeros(len(rows)), lengths_B)
+    learner_B = learner.score(batch)[0][:, -1].double()
+    gaps = [[] for _ in engines]
+    for (i, token), value in zip(rows, learner_B.tolist(), strict=True):
+        gaps[i].append(abs(value - engines[i][token]))
+    return max(sum(g) / len(g) for g in gaps)
 
 
 def require_agreement(gap: float, tolerance: float, payload: Payload) -> None:
