@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from m2po_cli.lora import AdapterNames, is_adapter_key
+from m2po_cli.lora import AdapterNames, is_adapter_key, merged
 
 
 def load_hf(
@@ -81,8 +81,8 @@ class HFWeights:
             full = _full(value)
             lora_a = plain.get(fqn.removesuffix(".weight") + ".lora_a.weight")
             if lora_a is not None:
-                b = _full(state[lora_a.replace(".lora_a.", ".lora_b.")]).float()
-                full = full.float() + self.lora_scale * (b @ _full(state[lora_a]).float())
+                b = _full(state[lora_a.replace(".lora_a.", ".lora_b.")])
+                full = merged(full, _full(state[lora_a]), b, self.lora_scale)
             ((converted_name, converted),) = self.adapter.to_hf({fqn: full}).items()
             assert converted_name == hf_name, (converted_name, hf_name)
             yield hf_name, converted.detach().to(dtype)
@@ -98,7 +98,7 @@ class HFWeights:
     @functools.cached_property
     def adapter_names(self) -> AdapterNames:
         shapes = {plain_fqn(k): tuple(v.shape) for k, v in self.model.state_dict().items()}
-        return AdapterNames(self.adapter, shapes)
+        return AdapterNames(self.adapter, shapes, self.names)
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF name, full shape) of each tensor `stream` yields, in its order; gathers nothing."""

@@ -82,8 +82,9 @@ def base_key(fqn: str) -> str:
 class AdapterNames:
     """torchtitan adapter FQNs -> PEFT keys, and the row order each `B` takes to HF, from shapes alone."""
 
-    def __init__(self, hf_adapter, shapes: dict[str, tuple[int, ...]]):
-        """`shapes`: every parameter of the (LoRA) model by plain FQN, with its full shape."""
+    def __init__(self, hf_adapter, shapes: dict[str, tuple[int, ...]], names: dict[str, str]):
+        """`shapes`: every parameter of the (LoRA) model by plain FQN, with its full shape; `names`:
+        the HF name of each base weight (`HFWeights.names`)."""
         self.hf_adapter = hf_adapter
         self.shapes = shapes
         self.keys: dict[str, str] = {}
@@ -91,13 +92,8 @@ class AdapterNames:
         for fqn in shapes:
             if is_adapter_key(fqn):
                 module, part, _leaf = fqn.rsplit(".", 2)
-                hf = self._hf_weight(f"{module}.weight")
-                self.keys[fqn] = f"{PEFT_PREFIX}{hf.removesuffix('.weight')}.{_PARTS[part]}.weight"
-
-    def _hf_weight(self, fqn: str) -> str:
-        meta = torch.empty(self.shapes[fqn], device="meta")
-        ((name, _),) = self.hf_adapter.to_hf({fqn: meta}).items()
-        return name
+                hf = names[f"{module}.weight"].removesuffix(".weight")
+                self.keys[fqn] = f"{PEFT_PREFIX}{hf}.{_PARTS[part]}.weight"
 
     def to_peft(self, fqn: str, value: torch.Tensor) -> tuple[str, torch.Tensor]:
         """One adapter tensor under its PEFT key, `B`'s rows in HF order."""
@@ -175,8 +171,12 @@ def merge(hf_state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], s
         if weight is None:
             raise KeyError(f"the adapter's {module} has no weight in the base model")
         b = adapter[key.replace(".lora_A.", ".lora_B.")]
-        delta = scale * (b.float() @ a.float())
-        hf_state[f"{module}.weight"] = (weight.float() + delta).to(weight.dtype)
+        hf_state[f"{module}.weight"] = merged(weight, a, b, scale).to(weight.dtype)
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """`W + scale * B A`, in float32: what a projection computes with its adapter."""
+    return weight.float() + scale * (b.float() @ a.float())
 
 
 def merge_titan(state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float) -> None:
@@ -184,6 +184,5 @@ def merge_titan(state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]
     place; the HF adapter's `to_hf` then orders the merged weights as HF does."""
     for key, a in adapter.items():
         if ".lora_a." in key:
-            weight = state[base_key(key)]
-            delta = scale * (adapter[key.replace(".lora_a.", ".lora_b.")].float() @ a.float())
-            state[base_key(key)] = (weight.float() + delta).to(weight.dtype)
+            weight, b = state[base_key(key)], adapter[key.replace(".lora_a.", ".lora_b.")]
+            state[base_key(key)] = merged(weight, a, b, scale).to(weight.dtype)
