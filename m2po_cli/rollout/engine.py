@@ -41,6 +41,10 @@ class RolloutEngine(Protocol):
     def push(self, payload: Payload) -> None:
         """Replace the policy with `payload` (`FullWeights` or an `Adapter`); later samples use it."""
 
+    def next_logprobs(self, prompt: list[int], seed: int, top: int) -> dict[int, float]:
+        """The logprobs of the `top` most likely tokens after `prompt` (and of the one sampled), at the
+        rollouts' temperature, under the policy last pushed: what the push check compares."""
+
     def sleep(self) -> None:
         """Release device memory while the learner trains; the next push wakes the engine."""
 
@@ -224,10 +228,8 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         if self.asleep:
-            release_cached_memory()
             for tag in WAKE_ORDER:
-                self.llm.wake_up(tags=[tag])
-                self.free_at_wake[tag] = device_free_bytes()
+                self._wake(tag)
             self.asleep = False
         request = LoRARequest(adapter.name, adapter.lora_id, str(adapter.folder))
         if not self.llm.llm_engine.add_lora(request):
@@ -251,14 +253,10 @@ class VLLMEngine:
         """
         weights_tag, kv_tag = WAKE_ORDER
         if self.asleep:
-            release_cached_memory()
-            self.llm.wake_up(tags=[weights_tag])
-            self.free_at_wake[weights_tag] = device_free_bytes()
+            self._wake(weights_tag)
         stamped = self.llm.collective_rpc("m2po_push", kwargs={"weights": weights, "version": version})
         if self.asleep:
-            release_cached_memory()  # the push's gathered parameters (up to 3.7 GB at 8B)
-            self.llm.wake_up(tags=[kv_tag])
-            self.free_at_wake[kv_tag] = device_free_bytes()
+            self._wake(kv_tag)  # after the push's gathered parameters went back (up to 3.7 GB at 8B)
             self.asleep = False
         # Prompts share prefixes across steps: cached KV from the old weights must not be reused.
         self.llm.reset_prefix_cache()
@@ -266,6 +264,13 @@ class VLLMEngine:
             raise RuntimeError(f"weight push {version}: the engine's workers report versions {stamped}")
         self.llm.llm_engine.set_weight_version(str(version))
         self.version = version
+
+    def _wake(self, tag: str) -> None:
+        """Wake one of vLLM's sleep tags into the device memory PyTorch's cache gives back, and record
+        what is free after it."""
+        release_cached_memory()
+        self.llm.wake_up(tags=[tag])
+        self.free_at_wake[tag] = device_free_bytes()
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
